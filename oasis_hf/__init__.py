@@ -1,0 +1,25 @@
+"""oasis_hf: OasisKV for Hugging Face Transformers.
+
+The full KV cache lives in host memory; the GPU holds a capped budget of KV blocks per sequence and layer, and
+attention runs exactly over them. Importing this package registers nothing: call `register()` or `enable(model)`.
+"""
+
+from oasis_hf.cache.oasis_cache import OasisCache
+from oasis_hf.config import OasisConfig
+from oasis_hf.errors import DeviceMemoryError, HostMemoryError, OasisError, UnsupportedError
+from oasis_hf.integrations.attention import ATTENTION_NAME, enable, oasis_attention, register
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ATTENTION_NAME",
+    "DeviceMemoryError",
+    "HostMemoryError",
+    "OasisCache",
+    "OasisConfig",
+    "OasisError",
+    "UnsupportedError",
+    "enable",
+    "oasis_attention",
+    "register",
+]

@@ -1,0 +1,32 @@
+"""The one place that knows transformers-version details (5.17 .. 5.x)."""
+
+from __future__ import annotations
+
+from transformers.cache_utils import DynamicSlidingWindowLayer
+from transformers.masking_utils import flash_attention_mask
+
+__all__ = ["flash_attention_mask", "layer_types", "sliding_window_layer", "text_config"]
+
+
+def text_config(config):
+    """The decoder config of a possibly multimodal model config (Gemma3ForConditionalGeneration)."""
+    getter = getattr(config, "get_text_config", None)
+    return getter(decoder=True) if getter is not None else config
+
+
+def layer_types(config) -> list[str]:
+    """Per-layer attention types, as `DynamicCache(config=...)` would read them.
+
+    5.17's `get_layer_types_and_kwargs` returns ``(types, dict)`` and 5.23 ``(types, list)``, so read the config
+    ourselves: ``config.layer_types`` when present, else every layer sliding when ``sliding_window`` is set
+    (Mistral-style), else every layer full attention.
+    """
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return list(types)
+    kind = "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+    return [kind] * config.num_hidden_layers
+
+
+def sliding_window_layer(window: int) -> DynamicSlidingWindowLayer:
+    return DynamicSlidingWindowLayer(sliding_window=window)

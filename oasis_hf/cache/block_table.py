@@ -1,0 +1,158 @@
+"""`BlockTable`: which logical blocks are resident in which GPU slots, per (sequence, KV head).
+
+Pure tensor bookkeeping (no host synchronisation, fixed shapes), so it runs on the pool's device inside the decode
+step and can be tested on the CPU. Each (sequence, KV head) owns ``S`` slots; ``slot_block`` maps slot -> block and
+``block_slot`` block -> slot. Both carry one extra "trash" column that masked-out scatters write to, so every update
+is a fixed-shape scatter with no data-dependent control flow.
+
+Invariants (checked by `check`): a slot holds at most one block, a block sits in at most one slot, the two maps are
+inverse, and at most ``S`` blocks are resident.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INF = float("inf")
+
+
+class BlockTable:
+    """Residency table of one layer.
+
+    Parameters
+    ----------
+    batch_size, num_kv_heads : leading dims ``(B, H_kv)``.
+    num_slots : ``S``, block slots per (sequence, KV head).
+    capacity_blocks : logical blocks addressable (grows with `grow`).
+    device : where the table lives (the pool's device).
+    """
+
+    def __init__(self, batch_size: int, num_kv_heads: int, num_slots: int, capacity_blocks: int, device) -> None:
+        self.num_slots = num_slots
+        shape = (batch_size, num_kv_heads)
+        self.slot_block = torch.full((*shape, num_slots + 1), -1, dtype=torch.long, device=device)
+        self.slot_score = torch.full((*shape, num_slots + 1), -INF, dtype=torch.float32, device=device)
+        self.block_slot = torch.full((*shape, max(capacity_blocks, num_slots) + 1), -1, dtype=torch.long, device=device)
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.block_slot.shape[-1] - 1
+
+    def grow(self, capacity_blocks: int) -> None:
+        """Address at least `capacity_blocks` logical blocks (copies the small block->slot map only)."""
+        if capacity_blocks <= self.capacity_blocks:
+            return
+        grown = torch.full(
+            (*self.block_slot.shape[:2], capacity_blocks + 1), -1, dtype=torch.long, device=self.block_slot.device
+        )
+        grown[..., : self.capacity_blocks] = self.block_slot[..., :-1]
+        self.block_slot = grown
+
+    def reset(self) -> None:
+        self.slot_block.fill_(-1)
+        self.block_slot.fill_(-1)
+        self.slot_score.fill_(-INF)
+
+    # ------------------------------------------------------------------------------------------------- updates
+    def assign(self, blocks: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, scores: torch.Tensor) -> None:
+        """Install ``blocks[..., j]`` into ``slots[..., j]`` where `valid`, evicting what those slots held.
+
+        All arguments are (B, H_kv, N); the valid slots of one (sequence, head) must be distinct and the blocks
+        not resident elsewhere.
+        """
+        trash_slot, trash_block = self.num_slots, self.capacity_blocks
+        old = self.slot_block.gather(-1, torch.where(valid, slots, trash_slot))
+        self.block_slot.scatter_(-1, torch.where(valid & (old >= 0), old, trash_block), -1)
+        target = torch.where(valid, slots, trash_slot)
+        self.slot_block.scatter_(-1, target, blocks)
+        self.slot_score.scatter_(-1, target, scores.float())
+        self.block_slot.scatter_(-1, torch.where(valid, blocks, trash_block), slots)
+
+    def plan(self, scores: torch.Tensor, max_fetch: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Make the top-``S`` blocks by `scores` resident (misses are the delta), and return the fetch plan.
+
+        Parameters
+        ----------
+        scores : (B, H_kv, NB_cap) float
+            Importance per logical block: ``+inf`` must be resident, ``-inf`` must not be chosen.
+        max_fetch : int | None
+            Cap on misses fetched that are not ``+inf`` (best first); the least important resident blocks go.
+
+        Returns
+        -------
+        blocks, slots, valid : (B, H_kv, S) — fetch ``blocks[j]`` into ``slots[j]`` where ``valid[j]``.
+        The table is already updated; the caller copies the data before reading the pool.
+        """
+        num_slots = self.num_slots
+        top, wanted = scores.topk(num_slots, dim=-1)  # sorted, best first
+        wanted_ok = top > -INF
+        hit_slot = self.block_slot.gather(-1, wanted)
+        hit = wanted_ok & (hit_slot >= 0)
+        miss = wanted_ok & ~hit
+        kept = torch.zeros_like(self.slot_block).scatter_add_(-1, torch.where(hit, hit_slot, num_slots), hit.long())
+        resident = self.slot_block[..., :num_slots]
+        current = scores.gather(-1, resident.clamp(min=0))
+        evict_key = torch.where(kept[..., :num_slots] > 0, INF, torch.where(resident < 0, -INF, current))
+        free_slots = evict_key.argsort(dim=-1)  # empty slots first, then the least important resident blocks
+        order = (~miss).to(torch.int8).argsort(dim=-1, stable=True)  # misses first, in score order
+        blocks = wanted.gather(-1, order)
+        valid = miss.gather(-1, order)
+        block_scores = top.gather(-1, order)
+        if max_fetch is not None:
+            forced = block_scores == INF
+            num_forced = (valid & forced).sum(-1, keepdim=True)
+            rank = torch.arange(num_slots, device=scores.device)
+            valid = valid & (forced | (rank < num_forced + max_fetch))
+        self.assign(blocks, free_slots, valid, block_scores)
+        # Refresh the importance of everything resident with this step's scores (eviction order next time).
+        now = self.slot_block[..., :num_slots]
+        self.slot_score[..., :num_slots] = torch.where(now >= 0, scores.gather(-1, now.clamp(min=0)), -INF)
+        return blocks, free_slots, valid
+
+    def allocate(self, new_blocks: torch.Tensor, pinned: torch.Tensor) -> torch.Tensor:
+        """Give the (not yet resident) `new_blocks` slots, evicting the least important unpinned residents.
+
+        Parameters
+        ----------
+        new_blocks : (B, H_kv, N) long — blocks that must become resident (e.g. the one new tokens start).
+        pinned : (B, H_kv, S) bool — slots whose block must stay (sinks, recent window).
+
+        Returns
+        -------
+        (B, H_kv, N) long: the slots assigned.
+        """
+        resident = self.slot_block[..., : self.num_slots]
+        score = self.slot_score[..., : self.num_slots].clamp(max=torch.finfo(torch.float32).max)
+        evict_key = torch.where(pinned, INF, torch.where(resident < 0, -INF, score))
+        slots = evict_key.topk(new_blocks.shape[-1], dim=-1, largest=False).indices
+        self.assign(new_blocks, slots, torch.ones_like(new_blocks, dtype=torch.bool), torch.full_like(
+            new_blocks, INF, dtype=torch.float32))
+        return slots
+
+    def drop_from(self, first_block: int) -> None:
+        """Forget every block >= `first_block` (after `crop`)."""
+        gone = self.slot_block[..., : self.num_slots] >= first_block
+        self.slot_block[..., : self.num_slots].masked_fill_(gone, -1)
+        self.slot_score[..., : self.num_slots].masked_fill_(gone, -INF)
+        self.block_slot[..., first_block:].fill_(-1)
+
+    # ---------------------------------------------------------------------------------------------- invariants
+    def resident_count(self) -> torch.Tensor:
+        """(B, H_kv) number of resident blocks."""
+        return (self.slot_block[..., : self.num_slots] >= 0).sum(-1)
+
+    def check(self) -> None:
+        """Raise AssertionError if an invariant is broken (tests; syncs with the device)."""
+        slots = self.slot_block[..., : self.num_slots].cpu()
+        blocks = self.block_slot[..., :-1].cpu()
+        batch, heads, _ = slots.shape
+        for b in range(batch):
+            for h in range(heads):
+                held = slots[b, h][slots[b, h] >= 0].tolist()
+                assert len(held) == len(set(held)), f"block in two slots at (b={b}, h={h}): {held}"
+                assert len(held) <= self.num_slots
+                for s, blk in enumerate(slots[b, h].tolist()):
+                    if blk >= 0:
+                        assert blocks[b, h, blk] == s, f"block_slot[{blk}]={blocks[b, h, blk]} but slot {s} holds it"
+                mapped = (blocks[b, h] >= 0).nonzero().flatten().tolist()
+                assert sorted(mapped) == sorted(held), f"maps disagree at (b={b}, h={h}): {mapped} vs {held}"

@@ -1,0 +1,194 @@
+"""`HostKVStore`: the full K/V of every managed layer in host memory, block-addressed.
+
+Layout per layer and segment: ``(B, H_kv, NB_seg, BS, D)``, so one (sequence, head, block) is one contiguous run of
+``BS * D`` elements (one row for the gather kernel). The store grows by appending segments (each at least half the
+current capacity): tokens already written are never copied again. Memory is pinned when CUDA is present, so the GPU
+reads (fetch) and writes (write-back) it directly with `copy_rows`.
+
+An allocation is checked against the free host memory *before* it is made, for all layers at once, and fails with
+`HostMemoryError` naming the bytes needed and available.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from oasis_hf.errors import HostMemoryError
+from oasis_hf.kernels import copy_rows, copy_rows_ref
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Segment:
+    start_block: int
+    num_blocks: int
+    keys: dict[int, torch.Tensor]  # layer_idx -> (B, H_kv, NB_seg, BS, D)
+    values: dict[int, torch.Tensor]
+
+
+class HostKVStore:
+    """Full K/V of the managed layers of one cache, in (pinned) host memory.
+
+    Parameters
+    ----------
+    layer_ids : managed (full-attention) layer indices.
+    batch_size, num_kv_heads, head_dim, block_size : shapes of one layer's store.
+    dtype : element type (the model's KV dtype).
+    pin : pin the memory (required for GPU zero-copy access).
+    headroom_bytes : host memory that must stay free after an allocation.
+    growth_tokens : smallest growth step.
+    """
+
+    def __init__(
+        self,
+        layer_ids: list[int],
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        pin: bool,
+        headroom_bytes: int,
+        growth_tokens: int,
+    ) -> None:
+        self.layer_ids = list(layer_ids)
+        self.batch_size, self.num_kv_heads, self.head_dim = batch_size, num_kv_heads, head_dim
+        self.block_size, self.dtype, self.pin = block_size, dtype, pin
+        self.headroom_bytes = headroom_bytes
+        self.growth_blocks = max(1, growth_tokens // block_size)
+        self.segments: list[_Segment] = []
+        self.capacity_blocks = 0
+
+    # ----------------------------------------------------------------------------------------------- allocation
+    def bytes_per_block(self) -> int:
+        """Host bytes of one block (K and V) of one layer, for the whole batch."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.batch_size * self.num_kv_heads * self.block_size * self.head_dim * elem
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity_blocks * self.bytes_per_block() * len(self.layer_ids)
+
+    def ensure_capacity(self, num_tokens: int, reserve_tokens: int = 0) -> bool:
+        """Make room for `num_tokens` tokens per sequence in every layer; returns True if the store grew."""
+        needed = -(-num_tokens // self.block_size)
+        if needed <= self.capacity_blocks:
+            return False
+        extra = max(needed - self.capacity_blocks, -(-reserve_tokens // self.block_size) - self.capacity_blocks)
+        if self.capacity_blocks:
+            extra = max(extra, self.growth_blocks, self.capacity_blocks // 2)
+        self._allocate_segment(extra)
+        return True
+
+    def _allocate_segment(self, num_blocks: int) -> None:
+        nbytes = num_blocks * self.bytes_per_block() * len(self.layer_ids)
+        available = psutil.virtual_memory().available
+        if nbytes + self.headroom_bytes > available:
+            raise HostMemoryError(nbytes, available, self.headroom_bytes, self.capacity_blocks * self.block_size)
+        shape = (self.batch_size, self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
+        keys: dict[int, torch.Tensor] = {}
+        values: dict[int, torch.Tensor] = {}
+        try:
+            for layer in self.layer_ids:
+                keys[layer] = torch.empty(shape, dtype=self.dtype, pin_memory=self.pin)
+                values[layer] = torch.empty(shape, dtype=self.dtype, pin_memory=self.pin)
+        except (RuntimeError, MemoryError) as exc:  # cudaHostAlloc / malloc refused: give back what we took
+            keys.clear()
+            values.clear()
+            raise HostMemoryError(nbytes, available, self.headroom_bytes, self.capacity_blocks * self.block_size) from exc
+        self.segments.append(_Segment(self.capacity_blocks, num_blocks, keys, values))
+        self.capacity_blocks += num_blocks
+        logger.debug("host store: +%d blocks (%.1f MiB, pinned=%s)", num_blocks, nbytes / 2**20, self.pin)
+
+    def release(self) -> None:
+        """Free all host memory (the store can grow again afterwards)."""
+        self.segments.clear()
+        self.capacity_blocks = 0
+
+    # ---------------------------------------------------------------------------------------------------- write
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
+        """Store new tokens at positions ``start .. start + T - 1`` of every sequence.
+
+        `keys`/`values`: (B, H_kv, T, D), on any device, last dim contiguous. A CUDA source is written with the
+        zero-copy kernel on the *current* stream (the caller picks the write-back stream and keeps the source
+        alive, e.g. with ``record_stream``).
+        """
+        num_tokens = keys.shape[2]
+        end = start + num_tokens
+        bs = self.block_size
+        for seg in self.segments:
+            lo, hi = max(start, seg.start_block * bs), min(end, (seg.start_block + seg.num_blocks) * bs)
+            if lo >= hi:
+                continue
+            for src, dst in ((keys, seg.keys[layer]), (values, seg.values[layer])):
+                part = src[:, :, lo - start : hi - start]
+                flat = dst.view(self.batch_size, self.num_kv_heads, seg.num_blocks * bs, self.head_dim)
+                target = flat[:, :, lo - seg.start_block * bs : hi - seg.start_block * bs]
+                if src.is_cuda and dst.is_pinned():
+                    self._write_rows(part, target)
+                else:
+                    target.copy_(part)
+
+    @staticmethod
+    def _write_rows(src: torch.Tensor, dst: torch.Tensor) -> None:
+        """One zero-copy launch: every (b, h, t) row of `src` (device) into `dst` (pinned host), same shape."""
+        batch, heads, tokens, _ = src.shape
+        dev = src.device
+        b = torch.arange(batch, device=dev).view(-1, 1, 1)
+        h = torch.arange(heads, device=dev).view(1, -1, 1)
+        t = torch.arange(tokens, device=dev).view(1, 1, -1)
+        src_off = (b * src.stride(0) + h * src.stride(1) + t * src.stride(2)).reshape(-1)
+        dst_off = (b * dst.stride(0) + h * dst.stride(1) + t * dst.stride(2)).reshape(-1)
+        copy_rows(src, src_off, dst, dst_off, src.shape[-1])
+
+    # ---------------------------------------------------------------------------------------------------- fetch
+    def fetch(
+        self,
+        layer: int,
+        blocks: torch.Tensor,
+        pool_k: torch.Tensor,
+        pool_v: torch.Tensor,
+        slots: torch.Tensor,
+        valid: torch.Tensor,
+        backend: str,
+    ) -> None:
+        """Copy blocks from host into pool slots: ``pool[b, h, slots[b,h,j]] = store[b, h, blocks[b,h,j]]``.
+
+        `blocks`, `slots`, `valid`: (B, H_kv, N) on the pool's device; entries with ``valid == False`` are skipped.
+        `pool_k`/`pool_v`: (B, H_kv, S, BS, D). One launch per segment and tensor, no host synchronisation.
+        """
+        batch, heads, _ = blocks.shape
+        dev = pool_k.device
+        row = self.block_size * self.head_dim
+        bh = (torch.arange(batch, device=dev).view(-1, 1, 1) * heads + torch.arange(heads, device=dev).view(1, -1, 1))
+        dst_off = ((bh * pool_k.shape[2] + slots) * row).reshape(-1)
+        for seg in self.segments:
+            local = blocks - seg.start_block
+            inside = valid & (local >= 0) & (local < seg.num_blocks)
+            src_off = torch.where(inside, (bh * seg.num_blocks + local) * row, -1).reshape(-1)
+            for src, dst in ((seg.keys[layer], pool_k), (seg.values[layer], pool_v)):
+                if dst.is_cuda and src.is_pinned():
+                    copy_rows(src, src_off, dst, dst_off, row)
+                elif dst.is_cuda:
+                    raise RuntimeError(
+                        "the host store is not pinned, so the GPU cannot read it; set OasisConfig.pin_host_memory=True"
+                    )
+                else:
+                    copy_rows_ref(src, src_off, dst, dst_off, row)
+
+    def read_keys(self, layer: int, num_tokens: int) -> torch.Tensor:
+        """All keys of `layer` up to `num_tokens` as one (B, H_kv, num_tokens, D) CPU tensor (oracle/tests; copies)."""
+        parts = []
+        bs = self.block_size
+        for seg in self.segments:
+            flat = seg.keys[layer].view(self.batch_size, self.num_kv_heads, seg.num_blocks * bs, self.head_dim)
+            take = min(num_tokens - seg.start_block * bs, seg.num_blocks * bs)
+            if take <= 0:
+                break
+            parts.append(flat[:, :, :take])
+        return torch.cat(parts, dim=2)

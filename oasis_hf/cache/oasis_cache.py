@@ -1,0 +1,170 @@
+"""`OasisCache`: a `transformers.Cache` whose full-attention layers keep their KV in host memory.
+
+Full-attention layers become `OasisLayer`s; sliding-window layers (Gemma3, Qwen2 with sliding layers) stay on
+transformers' own `DynamicSlidingWindowLayer` (already bounded by the window). Any other layer type raises.
+
+Stream ordering (CUDA):
+
+- write-back: the new tokens' K/V are written to the pinned host store by a zero-copy kernel on a side stream that
+  first waits for the current stream (the K/V exist); the source tensors are kept alive with ``record_stream`` and
+  an event marks completion per layer;
+- fetch: before a layer gathers blocks from host, the current stream waits for that layer's write-back event, so a
+  block is never read before it is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from transformers.cache_utils import Cache
+
+from oasis_hf import _compat
+from oasis_hf.cache.host_store import HostKVStore
+from oasis_hf.cache.layer import OasisLayer
+from oasis_hf.cache.stats import OasisStats
+from oasis_hf.config import OasisConfig
+from oasis_hf.errors import UnsupportedError
+from oasis_hf.selectors import get_selector
+
+logger = logging.getLogger(__name__)
+
+
+class OasisCache(Cache):
+    """KV cache with the full KV in host memory and at most ``budget_tokens`` per sequence and layer on the GPU.
+
+    Parameters
+    ----------
+    model_config : the model's `PretrainedConfig` (multimodal configs use their text config).
+    config : `OasisConfig`; keyword `overrides` replace its fields (``OasisCache(cfg, budget_tokens=1024)``).
+
+    Examples
+    --------
+    >>> import oasis_hf
+    >>> oasis_hf.enable(model)                      # registers "oasis" attention and switches the model to it
+    >>> cache = oasis_hf.OasisCache(model.config, oasis_hf.OasisConfig(budget_tokens=2048))
+    >>> out = model.generate(input_ids, past_key_values=cache, max_new_tokens=256)
+
+    Use a fresh cache for every `generate` call: a cache holds one batch of sequences.
+    """
+
+    def __init__(self, model_config, config: OasisConfig | None = None, **overrides) -> None:
+        config = config or OasisConfig()
+        if overrides:
+            config = dataclasses.replace(config, **overrides)
+        self.config = config
+        text_config = _compat.text_config(model_config)
+        layers = []
+        for idx, kind in enumerate(_compat.layer_types(text_config)):
+            if kind == "full_attention":
+                layers.append(OasisLayer(self, idx))
+            elif kind == "sliding_attention":
+                layers.append(_compat.sliding_window_layer(text_config.sliding_window))
+            else:
+                raise UnsupportedError(
+                    f"layer {idx} has type {kind!r}; OasisCache handles 'full_attention' and 'sliding_attention' "
+                    "layers only (use DynamicCache for this model)"
+                )
+        if not any(isinstance(layer, OasisLayer) for layer in layers):
+            raise UnsupportedError("the model has no full-attention layer for OasisCache to manage; use DynamicCache")
+        self.selector = get_selector(config.selector)
+        self.host: HostKVStore | None = None
+        self.stats = OasisStats()
+        self._writeback_streams: dict[torch.device, torch.cuda.Stream] = {}
+        super().__init__(layers=layers)
+
+    # ------------------------------------------------------------------------------------------------ layers
+    @property
+    def oasis_layers(self) -> list[OasisLayer]:
+        return [layer for layer in self.layers if isinstance(layer, OasisLayer)]
+
+    @property
+    def host_capacity_blocks(self) -> int:
+        return self.host.capacity_blocks if self.host is not None else 0
+
+    def _reserve(self, num_tokens: int) -> None:
+        """Make the host store (all layers at once) and the block maps hold `num_tokens` tokens per sequence."""
+        first = next(layer for layer in self.oasis_layers if layer.is_initialized)
+        if self.host is None:
+            cfg = self.config
+            pin = cfg.pin_host_memory if cfg.pin_host_memory is not None else torch.cuda.is_available()
+            self.host = HostKVStore(
+                [layer.layer_idx for layer in self.oasis_layers],
+                first.batch_size, first.num_kv_heads, first.head_dim, cfg.block_size, first.dtype,
+                pin=pin, headroom_bytes=cfg.host_memory_headroom_bytes, growth_tokens=cfg.host_growth_tokens,
+            )  # fmt: skip
+        if self.host.ensure_capacity(num_tokens, reserve_tokens=self.config.host_capacity_tokens or 0):
+            for layer in self.oasis_layers:
+                layer.grow(self.host.capacity_blocks)
+
+    def _write_back(self, layer: OasisLayer, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
+        host = self.host
+        if (keys.shape[0], keys.shape[1], keys.shape[3], keys.dtype) != (
+            host.batch_size, host.num_kv_heads, host.head_dim, host.dtype
+        ):
+            raise UnsupportedError(
+                f"layer {layer.layer_idx} K/V {tuple(keys.shape)} {keys.dtype} differ from the other layers' "
+                f"({host.batch_size}, {host.num_kv_heads}, *, {host.head_dim}) {host.dtype}; OasisCache needs one "
+                "KV shape across full-attention layers"
+            )
+        if not (keys.is_cuda and host.pin):
+            host.write(layer.layer_idx, keys, values, start)
+            return
+        device = keys.device
+        stream = self._writeback_streams.get(device)
+        if stream is None:
+            stream = self._writeback_streams[device] = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # K/V of this step exist before we read them
+        with torch.cuda.stream(stream):
+            host.write(layer.layer_idx, keys, values, start)
+            event = torch.cuda.Event()
+            event.record(stream)
+        keys.record_stream(stream)  # keep the sources alive until the copy ran
+        values.record_stream(stream)
+        layer.writeback_event = event
+
+    # ------------------------------------------------------------------------------------------------ Cache API
+    def crop(self, max_length: int) -> None:
+        """Drop tokens from the end: ``crop(-n)`` removes ``n`` (5.18+), ``crop(n > 0)`` keeps ``n`` (5.17 legacy)."""
+        length = self.get_seq_length()
+        remove = max(0, length - max_length) if max_length > 0 else -max_length
+        for layer in self.layers:
+            layer.crop(-remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise UnsupportedError("OasisCache does not support beam search; use greedy or sampling (num_beams=1)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise UnsupportedError(
+            "OasisCache cannot expand its batch (contrastive search / num_return_sequences on a filled cache); "
+            "use a fresh cache per expanded batch"
+        )
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise UnsupportedError("OasisCache cannot select batch entries; use a fresh cache per batch")
+
+    def reset(self) -> None:
+        """Forget every token and free the host store."""
+        super().reset()
+        if self.host is not None:
+            self.host.release()
+            self.host = None
+
+    # ------------------------------------------------------------------------------------------------ memory
+    def device_nbytes(self) -> int:
+        """Bytes the managed layers hold on the GPU: block pools + summaries + block tables (sliding layers apart)."""
+        return sum(layer.device_nbytes for layer in self.oasis_layers)
+
+    def host_nbytes(self) -> int:
+        return self.host.nbytes if self.host is not None else 0
+
+    def dense_nbytes(self) -> int:
+        """Bytes a `DynamicCache` would hold for the managed layers at the current length."""
+        layers = [layer for layer in self.oasis_layers if layer.is_initialized]
+        if not layers:
+            return 0
+        first = layers[0]
+        elem = first.pool_k.element_size()
+        per_layer = 2 * first.batch_size * first.num_kv_heads * first.length * first.head_dim * elem
+        return per_layer * len(layers)

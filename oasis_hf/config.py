@@ -1,0 +1,150 @@
+"""`OasisConfig`: one frozen, validated description of how an `OasisCache` behaves.
+
+Everything mutable (residency, lengths, buffers) lives on the cache; the config never changes after construction.
+Use `dataclasses.replace(cfg, ...)` for variants and `cfg.to_dict()` / `OasisConfig.from_dict(d)` for JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+KERNEL_BACKENDS = ("auto", "triton", "torch")
+SUMMARY_KINDS = ("mean", "minmax")
+
+
+@dataclass(frozen=True)
+class OasisConfig:
+    """How an `OasisCache` splits the KV cache between host memory and the GPU.
+
+    The full K/V of every full-attention layer lives in host memory (pinned when CUDA is present). The GPU keeps, per
+    (sequence, KV head, layer), at most `budget_tokens` tokens in `budget_tokens // block_size` block slots: the sink
+    blocks, the recent window, and the blocks the selector picks. Attention over those blocks is exact.
+
+    Parameters
+    ----------
+    block_size : int
+        Tokens per KV block (the unit of selection and transfer). Power of two, 16..256. Default 32.
+    budget_tokens : int
+        GPU KV budget per (sequence, KV head, layer) in tokens; a multiple of `block_size`. Default 2048.
+    sink_tokens : int
+        Tokens at the start of each sequence that are always resident (attention sinks); a multiple of
+        `block_size`. Default 32.
+    recent_tokens : int
+        Size of the always-resident recent window, in tokens, not counting the partially filled last block; a
+        multiple of `block_size`. Default 128.
+    selector : str
+        Block selection policy: ``"current-query"`` (score every block with the step's own queries, fetch misses
+        synchronously), ``"static"`` (sinks + the most recent blocks: StreamingLLM at equal budget) or ``"oracle"``
+        (exact attention mass from the full keys; slow, for tests and recall). See `oasis_hf.selectors`.
+    summary : str
+        Block summary kept on the GPU for scoring: ``"mean"`` (mean key per block and KV head, 1/block_size of
+        the keys) or ``"minmax"`` (Quest's per-channel bounds, 2/block_size of the keys).
+    max_fetch_blocks : int | None
+        Cap on selector-driven block fetches per (sequence, KV head, layer) and step; the best-scoring misses go
+        first and the least important resident blocks are evicted. Blocks that must be resident (sinks, recent
+        window, new tokens) are never capped. ``None`` means no cap. Default 16.
+    kernel_backend : str
+        ``"auto"`` (Triton on CUDA tensors or under ``TRITON_INTERPRET=1``, PyTorch otherwise), ``"triton"`` or
+        ``"torch"`` (the reference twins).
+    host_capacity_tokens : int | None
+        Pre-size the host store for this many tokens per sequence. ``None`` sizes it at the first forward and grows
+        it by new segments (the store is never copied as a whole).
+    host_growth_tokens : int
+        Smallest growth step of the host store, in tokens; a multiple of `block_size`. Default 4096.
+    pin_host_memory : bool | None
+        Pin the host store (needed for asynchronous transfers). ``None`` pins when CUDA is available.
+    host_memory_headroom_bytes : int
+        Host memory left free when sizing the store; an allocation that would cut into it fails up front with
+        `HostMemoryError`. Default 1 GiB.
+    """
+
+    block_size: int = 32
+    budget_tokens: int = 2048
+    sink_tokens: int = 32
+    recent_tokens: int = 128
+    selector: str = "current-query"
+    summary: str = "mean"
+    max_fetch_blocks: int | None = 16
+    kernel_backend: str = "auto"
+    host_capacity_tokens: int | None = None
+    host_growth_tokens: int = 4096
+    pin_host_memory: bool | None = None
+    host_memory_headroom_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        from oasis_hf.selectors import SELECTORS  # local: selectors import nothing from config at module level
+
+        def bad(field: str, value: Any, why: str) -> ValueError:
+            return ValueError(f"OasisConfig.{field}={value!r} is invalid: {why}")
+
+        for name in ("block_size", "budget_tokens", "sink_tokens", "recent_tokens", "host_growth_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise bad(name, value, "expected an int")
+        bs = self.block_size
+        if bs < 16 or bs > 256 or bs & (bs - 1):
+            raise bad("block_size", bs, "use a power of two between 16 and 256 (e.g. 32)")
+        for name in ("budget_tokens", "sink_tokens", "recent_tokens", "host_growth_tokens"):
+            value = getattr(self, name)
+            if value < 0 or value % bs:
+                raise bad(name, value, f"must be a non-negative multiple of block_size={bs}")
+        if self.budget_tokens == 0 or self.host_growth_tokens == 0:
+            name = "budget_tokens" if self.budget_tokens == 0 else "host_growth_tokens"
+            raise bad(name, 0, "must be positive")
+        # Resident at all times: sinks + recent window + the partial last block, plus one slot for a selected block.
+        floor = self.sink_tokens + self.recent_tokens + 2 * bs
+        if self.budget_tokens < floor:
+            raise bad(
+                "budget_tokens",
+                self.budget_tokens,
+                f"must be >= sink_tokens + recent_tokens + 2*block_size = {floor}; "
+                "raise budget_tokens or lower sink_tokens/recent_tokens",
+            )
+        if self.selector not in SELECTORS:
+            raise bad("selector", self.selector, f"choose one of {sorted(SELECTORS)}")
+        if self.summary not in SUMMARY_KINDS:
+            raise bad("summary", self.summary, f"choose one of {list(SUMMARY_KINDS)}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise bad("kernel_backend", self.kernel_backend, f"choose one of {list(KERNEL_BACKENDS)}")
+        if self.max_fetch_blocks is not None and (
+            not isinstance(self.max_fetch_blocks, int) or isinstance(self.max_fetch_blocks, bool)
+            or self.max_fetch_blocks < 1
+        ):
+            raise bad("max_fetch_blocks", self.max_fetch_blocks, "use a positive int, or None for no cap")
+        if self.host_capacity_tokens is not None and (
+            not isinstance(self.host_capacity_tokens, int) or self.host_capacity_tokens <= 0
+        ):
+            raise bad("host_capacity_tokens", self.host_capacity_tokens, "use a positive int, or None")
+        if self.pin_host_memory not in (None, True, False):
+            raise bad("pin_host_memory", self.pin_host_memory, "use True, False or None (auto)")
+        if not isinstance(self.host_memory_headroom_bytes, int) or self.host_memory_headroom_bytes < 0:
+            raise bad("host_memory_headroom_bytes", self.host_memory_headroom_bytes, "use a non-negative int")
+
+    # Derived sizes, in blocks.
+    @property
+    def budget_blocks(self) -> int:
+        """Block slots per (sequence, KV head, layer) on the GPU."""
+        return self.budget_tokens // self.block_size
+
+    @property
+    def sink_blocks(self) -> int:
+        return self.sink_tokens // self.block_size
+
+    @property
+    def recent_blocks(self) -> int:
+        """Always-resident blocks at the end: the recent window plus the partially filled last block."""
+        return self.recent_tokens // self.block_size + 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> OasisConfig:
+        """Build a config from a dict, rejecting unknown keys (a typo must not be silently ignored)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown OasisConfig field(s) {unknown}; valid fields: {sorted(known)}")
+        return cls(**data)

@@ -1,0 +1,1 @@
+"""Integrations with transformers (attention registry)."""

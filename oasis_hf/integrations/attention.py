@@ -1,0 +1,66 @@
+"""The ``"oasis"`` attention function and its explicit registration.
+
+Nothing is registered at import. `register()` adds ``"oasis"`` to transformers' `AttentionInterface` and the 2-D
+padding-mask builder to `AttentionMaskInterface` (so no dense ``(B, 1, T, L)`` mask is ever built); `enable(model)`
+also switches a model to it. Calls whose key was not returned by an `OasisLayer` (sliding-window layers, a draft
+model, an lm-eval loglikelihood forward with its own cache, early-exit drafting) run dense attention.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from oasis_hf import _compat
+from oasis_hf.cache.layer import layer_of
+from oasis_hf.errors import UnsupportedError
+from oasis_hf.kernels.dense import dense_attention
+
+ATTENTION_NAME = "oasis"
+
+
+def oasis_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention for transformers models: `query` (B, H_q, T, D) -> output (B, T, H_q, D), no weights."""
+    if kwargs.get("softcap") is not None:
+        raise UnsupportedError("oasis attention does not implement logit soft-capping (Gemma2-style 'softcap')")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    layer = layer_of(key)
+    if layer is None:
+        out = dense_attention(
+            query, key, value, attention_mask, scale,
+            sliding_window=kwargs.get("sliding_window"),
+            is_causal=getattr(module, "is_causal", True),
+            dropout=dropout,
+        )  # fmt: skip
+        return out, None
+    if dropout:
+        raise UnsupportedError("OasisCache is for inference: attention dropout must be 0 (call model.eval())")
+    return layer.attend(query, key, value, attention_mask, scale), None
+
+
+def register(name: str = ATTENTION_NAME) -> str:
+    """Register the oasis attention and mask functions under `name` (idempotent); returns the name."""
+    AttentionInterface.register(name, oasis_attention)
+    AttentionMaskInterface.register(name, _compat.flash_attention_mask)
+    return name
+
+
+def enable(model, name: str = ATTENTION_NAME):
+    """Register the attention and switch `model` (text part only for multimodal models) to it; returns `model`."""
+    register(name)
+    config = model.config
+    if getattr(config, "text_config", None) is not None and getattr(config, "vision_config", None) is not None:
+        model.set_attn_implementation({"text_config": name, "vision_config": "sdpa"})
+    else:
+        model.set_attn_implementation(name)
+    return model

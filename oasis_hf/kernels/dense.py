@@ -1,0 +1,69 @@
+"""Dense attention through PyTorch SDPA: the prefill path and the fallback for calls that are not OasisCache's.
+
+Queries are lower-right aligned with the keys (query ``t`` of ``T`` sits at key position ``L - T + t``), like Hugging
+Face's own attention with a cache. Handles causality, a sliding window, GQA and a 2-D padding mask ``(B, L)``;
+masks are built in query chunks so a long padded prefill never materialises a ``(B, T, L)`` mask at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_MASK_ELEMS = 1 << 27  # at most 128 Mi mask entries per chunk
+
+
+def dense_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    padding_mask: torch.Tensor | None,
+    scale: float,
+    sliding_window: int | None = None,
+    is_causal: bool = True,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Attention of `query` (B, H_q, T, D) over `key`/`value` (B, H_kv, L, D); returns (B, T, H_q, D).
+
+    padding_mask : (B, L) bool or None — False marks padding keys. Query rows that see no key attend to their own
+    position so their (unused) outputs stay finite.
+    """
+    batch, num_q_heads, num_tokens, _ = query.shape
+    num_kv_heads, kv_len = key.shape[1], key.shape[2]
+    if padding_mask is not None and padding_mask.dim() != 2:
+        raise ValueError(
+            f"oasis attention expects a 2-D padding mask (B, L) or None, got shape {tuple(padding_mask.shape)}; "
+            "register the mask function with oasis_hf.register() instead of building 4-D masks"
+        )
+    gqa = num_q_heads != num_kv_heads
+    if padding_mask is None and sliding_window is None and (num_tokens in (1, kv_len) or not is_causal):
+        out = F.scaled_dot_product_attention(
+            query, key, value, dropout_p=dropout, scale=scale, enable_gqa=gqa,
+            is_causal=is_causal and num_tokens == kv_len and num_tokens > 1,
+        )  # fmt: skip
+        return out.transpose(1, 2)
+    if gqa:  # explicit masks take the memory-efficient kernel, which wants equal head counts
+        group = num_q_heads // num_kv_heads
+        key = key.repeat_interleave(group, dim=1)
+        value = value.repeat_interleave(group, dim=1)
+    key_pos = torch.arange(kv_len, device=query.device)
+    rows = max(1, _MASK_ELEMS // max(1, batch * kv_len))
+    outs = []
+    for t0 in range(0, num_tokens, rows):
+        t1 = min(num_tokens, t0 + rows)
+        query_pos = kv_len - num_tokens + torch.arange(t0, t1, device=query.device)
+        allowed = torch.ones(t1 - t0, kv_len, dtype=torch.bool, device=query.device)
+        if is_causal:
+            allowed &= key_pos[None, :] <= query_pos[:, None]
+        if sliding_window is not None:
+            allowed &= query_pos[:, None] - key_pos[None, :] < sliding_window
+        allowed = allowed[None, None]
+        if padding_mask is not None:
+            allowed = allowed & padding_mask[:, None, None, :].to(torch.bool)
+        allowed = allowed | (key_pos[None, :] == query_pos[:, None])[None, None]
+        outs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, t0:t1], key, value, attn_mask=allowed, dropout_p=dropout, scale=scale
+            )
+        )
+    return torch.cat(outs, dim=2).transpose(1, 2)

@@ -1,0 +1,105 @@
+"""Pure-PyTorch twins of the Triton kernels: the CPU path and the test oracle.
+
+Written from the math, not from the kernels: gather what the kernel would read into dense tensors, then compute in
+float32. Each function has exactly the signature of its Triton counterpart.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sparse_attention_ref(
+    query: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    slot_block: torch.Tensor,
+    seq_len: int,
+    kv_start: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Exact attention of the new queries over the resident blocks (twin of `sparse_attention`).
+
+    Parameters
+    ----------
+    query : (B, H_q, T, D)
+        Queries of the ``T`` newest tokens, at positions ``seq_len - T .. seq_len - 1``.
+    pool_k, pool_v : (B, H_kv, S, BS, D)
+        Resident blocks; slot ``s`` of (b, h) holds logical block ``slot_block[b, h, s]``, i.e. the tokens at
+        positions ``block * BS .. block * BS + BS - 1``.
+    slot_block : (B, H_kv, S) integer
+        Logical block id per slot; negative means empty.
+    seq_len : int
+        Tokens in the sequence (shared by the batch: left padding keeps positions aligned).
+    kv_start : (B,) integer
+        First real position of each sequence; earlier positions are left padding and never attended.
+    scale : float
+        Softmax scale (usually ``D ** -0.5``).
+
+    Returns
+    -------
+    (B, T, H_q, D) tensor in the dtype of `query` (the layout Hugging Face attention functions return).
+    Rows whose query sees no key (all padding) are zero.
+    """
+    batch, num_q_heads, num_tokens, head_dim = query.shape
+    _, num_kv_heads, num_slots, block_size, _ = pool_k.shape
+    group = num_q_heads // num_kv_heads
+    slot_block = slot_block[..., :num_slots].long()
+
+    keys = pool_k.float().reshape(batch, num_kv_heads, num_slots * block_size, head_dim)
+    values = pool_v.float().reshape(batch, num_kv_heads, num_slots * block_size, head_dim)
+    # Absolute position of every gathered key: (B, H_kv, S * BS)
+    key_pos = (slot_block[..., None] * block_size + torch.arange(block_size, device=query.device)).reshape(
+        batch, num_kv_heads, num_slots * block_size
+    )
+    key_ok = (slot_block[..., None] >= 0).expand(-1, -1, -1, block_size).reshape_as(key_pos)
+    key_ok = key_ok & (key_pos < seq_len) & (key_pos >= kv_start.view(batch, 1, 1).to(key_pos.device))
+    query_pos = seq_len - num_tokens + torch.arange(num_tokens, device=query.device)  # (T,)
+    # (B, H_kv, T, S * BS)
+    allowed = key_ok[:, :, None, :] & (key_pos[:, :, None, :] <= query_pos[None, None, :, None])
+
+    q = query.float().reshape(batch, num_kv_heads, group * num_tokens, head_dim)  # rows ordered (g, t)
+    scores = torch.einsum("bhmd,bhnd->bhmn", q, keys) * scale  # (B, H_kv, G*T, S*BS)
+    allowed = allowed[:, :, None].expand(-1, -1, group, -1, -1).reshape_as(scores)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows -> zeros
+    out = torch.einsum("bhmn,bhnd->bhmd", probs, values)
+    out = out.reshape(batch, num_q_heads, num_tokens, head_dim).transpose(1, 2)
+    return out.to(query.dtype)
+
+
+def copy_rows_ref(
+    src: torch.Tensor,
+    src_offsets: torch.Tensor,
+    dst: torch.Tensor,
+    dst_offsets: torch.Tensor,
+    row_elems: int,
+) -> None:
+    """Copy ``N`` rows of `row_elems` contiguous elements from `src` to `dst` (twin of `copy_rows`).
+
+    Parameters
+    ----------
+    src, dst : tensors of one dtype, any shape and device; each row must be contiguous in memory.
+    src_offsets, dst_offsets : (N,) int64
+        Element offsets of each row relative to ``src.data_ptr()`` / ``dst.data_ptr()``. A row whose source
+        offset is negative is skipped (fixed-shape plans mark unused entries that way).
+    row_elems : int
+        Elements per row.
+    """
+    if src.dtype != dst.dtype:
+        raise ValueError(f"copy_rows: src dtype {src.dtype} != dst dtype {dst.dtype}")
+    keep = src_offsets >= 0
+    if not bool(keep.any()):
+        return
+    src_offsets, dst_offsets = src_offsets[keep], dst_offsets[keep].to(src_offsets.device)
+    span = torch.arange(row_elems, device=src_offsets.device)
+    src_flat = _flat_view(src)
+    dst_flat = _flat_view(dst)
+    rows = src_flat[(src_offsets[:, None] + span).to(src.device)]
+    dst_flat[(dst_offsets[:, None] + span).to(dst.device)] = rows.to(dst.device)
+
+
+def _flat_view(tensor: torch.Tensor) -> torch.Tensor:
+    """1-D view of the storage of `tensor`, starting at its first element."""
+    total = tensor.untyped_storage().nbytes() // tensor.element_size() - tensor.storage_offset()
+    return tensor.as_strided((total,), (1,), tensor.storage_offset())

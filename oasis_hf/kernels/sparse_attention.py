@@ -1,0 +1,213 @@
+"""Sparse attention over the resident KV blocks: decode (T = 1) and multi-token verification (T = 1 + drafts).
+
+Algorithm (split-K flash decoding over a block table):
+
+- one program per (sequence, KV head, split); the ``G * T`` queries of a GQA group form one ``(BLOCK_M, D)`` tile,
+  so each resident block is read once for the whole group;
+- a split walks its share of the ``S`` slots; slot ``s`` holds logical block ``slot_block[b, h, s]`` and thus the
+  keys at positions ``block * BS + [0, BS)``; keys are masked by validity (``< seq_len``), left padding
+  (``>= kv_start[b]``) and causality (key position <= query position, queries sitting at the end of the sequence);
+- online softmax in float32; each split writes an unnormalised partial output plus its running max and sum, and a
+  short PyTorch epilogue merges the splits (log-sum-exp weights).
+
+Bytes: each launch reads ``B * H_kv * S * BS * D * 2`` elements of K and V once (plus the queries), so at batch 32
+and a 2048-token budget it is bound by HBM bandwidth, not by arithmetic.
+
+Caution: under ``TRITON_INTERPRET=1`` ``tl.dot`` on bf16 operands is wrong (triton-lang/triton#11584), so the
+interpreter path upcasts everything to float32 first (`DOT_FP32`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from oasis_hf.kernels import INTERPRET
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _sparse_attention_kernel(
+        Q,
+        K,
+        V,
+        SLOT_BLOCK,
+        KV_START,
+        O_PART,
+        M_PART,
+        L_PART,
+        seq_len,
+        scale,
+        num_slots,
+        slots_per_split,
+        stride_qb,
+        stride_qh,
+        stride_qt,
+        stride_kb,
+        stride_kh,
+        stride_ks,
+        stride_kt,
+        stride_vb,
+        stride_vh,
+        stride_vs,
+        stride_vt,
+        stride_tb,
+        stride_th,
+        H_KV: tl.constexpr,
+        GROUP: tl.constexpr,
+        NUM_TOKENS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+    ):
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        b = bh // H_KV
+        h = bh % H_KV
+
+        rows = tl.arange(0, BLOCK_M)  # row m = g * NUM_TOKENS + t
+        g = rows // NUM_TOKENS
+        t = rows % NUM_TOKENS
+        row_ok = rows < GROUP * NUM_TOKENS
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < HEAD_DIM
+        q_ptrs = Q + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + t[:, None] * stride_qt + dims[None, :]
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+        q_pos = seq_len - NUM_TOKENS + t  # (BLOCK_M,)
+        kv_start = tl.load(KV_START + b)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        offs_t = tl.arange(0, BLOCK_SIZE)
+
+        slot_lo = split * slots_per_split
+        slot_hi = tl.minimum(slot_lo + slots_per_split, num_slots)
+        for slot in range(slot_lo, slot_hi):
+            block = tl.load(SLOT_BLOCK + b * stride_tb + h * stride_th + slot).to(tl.int64)
+            key_pos = block * BLOCK_SIZE + offs_t
+            key_ok = (key_pos >= 0) & (key_pos >= kv_start) & (key_pos < seq_len)  # empty slot: block -1
+            k_ptrs = K + b * stride_kb + h * stride_kh + slot * stride_ks + offs_t[:, None] * stride_kt + dims[None, :]
+            v_ptrs = V + b * stride_vb + h * stride_vh + slot * stride_vs + offs_t[:, None] * stride_vt + dims[None, :]
+            k = tl.load(k_ptrs, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+            if DOT_FP32:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k)) * scale  # (BLOCK_M, BLOCK_SIZE)
+            allowed = key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at zero
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptrs, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+            if DOT_FP32:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        part = (bh * NUM_SPLITS + split) * BLOCK_M
+        tl.store(O_PART + (part + rows)[:, None] * BLOCK_D + dims[None, :], acc)
+        tl.store(M_PART + part + rows, m_i)
+        tl.store(L_PART + part + rows, l_i)
+
+
+def _num_splits(batch_heads: int, num_slots: int, device: torch.device) -> int:
+    if device.type != "cuda":
+        return min(2, num_slots)  # interpreter: exercise the merge, keep the grid small
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(num_slots, math.ceil(2 * sms / batch_heads)))
+
+
+def sparse_attention(
+    query: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    slot_block: torch.Tensor,
+    seq_len: int,
+    kv_start: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Exact attention of the new queries over the resident blocks (Triton; twin: `sparse_attention_ref`).
+
+    Parameters
+    ----------
+    query : (B, H_q, T, D)
+        Queries of the ``T`` newest tokens, at positions ``seq_len - T .. seq_len - 1``; last dim contiguous.
+    pool_k, pool_v : (B, H_kv, S, BS, D)
+        Resident blocks, last dim contiguous; slot ``s`` of (b, h) holds logical block ``slot_block[b, h, s]``.
+    slot_block : (B, H_kv, S') integer with S' >= S
+        Logical block id per slot (negative: empty); columns past ``S`` are ignored.
+    seq_len : int
+        Tokens in the sequence after this forward (positions are shared across the batch).
+    kv_start : (B,) integer
+        First real (non-padding) position of each sequence.
+    scale : float
+        Softmax scale.
+
+    Returns
+    -------
+    (B, T, H_q, D) tensor in the dtype of `query`.
+    """
+    batch, num_q_heads, num_tokens, head_dim = query.shape
+    _, num_kv_heads, num_slots, block_size, _ = pool_k.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"sparse_attention: H_q={num_q_heads} is not a multiple of H_kv={num_kv_heads}")
+    if pool_k.shape != pool_v.shape or pool_k.shape[-1] != head_dim:
+        raise ValueError(f"sparse_attention: pool shapes {tuple(pool_k.shape)}/{tuple(pool_v.shape)} != query D")
+    for name, tensor in (("query", query), ("pool_k", pool_k), ("pool_v", pool_v)):
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"sparse_attention: {name} must be contiguous in its last dim")
+    if pool_k.stride(3) != head_dim or pool_v.stride(3) != head_dim:
+        raise ValueError("sparse_attention: each pool block must be contiguous (BS, D)")
+    if slot_block.stride(-1) != 1:
+        slot_block = slot_block.contiguous()
+    group = num_q_heads // num_kv_heads
+    block_m = max(16, triton.next_power_of_2(group * num_tokens))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    num_splits = _num_splits(batch * num_kv_heads, num_slots, query.device)
+    slots_per_split = math.ceil(num_slots / num_splits)
+    num_splits = math.ceil(num_slots / slots_per_split)
+
+    dev = query.device
+    o_part = torch.empty(batch * num_kv_heads * num_splits * block_m, block_d, device=dev, dtype=torch.float32)
+    m_part = torch.empty(batch * num_kv_heads * num_splits * block_m, device=dev, dtype=torch.float32)
+    l_part = torch.empty_like(m_part)
+    kv_start = kv_start.to(device=dev, dtype=torch.int64)
+    grid = (batch * num_kv_heads, num_splits)
+    _sparse_attention_kernel[grid](
+        query, pool_k, pool_v, slot_block, kv_start, o_part, m_part, l_part,
+        seq_len, scale, num_slots, slots_per_split,
+        query.stride(0), query.stride(1), query.stride(2),
+        pool_k.stride(0), pool_k.stride(1), pool_k.stride(2), pool_k.stride(3),
+        pool_v.stride(0), pool_v.stride(1), pool_v.stride(2), pool_v.stride(3),
+        slot_block.stride(0), slot_block.stride(1),
+        H_KV=num_kv_heads, GROUP=group, NUM_TOKENS=num_tokens, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        DOT_FP32=INTERPRET or query.dtype == torch.float32,
+    )  # fmt: skip
+
+    # Merge the splits: out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s.
+    o_part = o_part.view(batch * num_kv_heads, num_splits, block_m, block_d)
+    m_part = m_part.view(batch * num_kv_heads, num_splits, block_m)
+    l_part = l_part.view_as(m_part)
+    m_max = m_part.amax(dim=1, keepdim=True)
+    weight = torch.exp(m_part - m_max.nan_to_num(neginf=0.0)).nan_to_num(0.0)  # (BH, splits, M)
+    denom = (weight * l_part).sum(dim=1)  # (BH, M)
+    out = (weight[..., None] * o_part).sum(dim=1) / denom.clamp_min(1e-30)[..., None]
+    out = out[:, : group * num_tokens, :head_dim].reshape(batch, num_kv_heads, group, num_tokens, head_dim)
+    return out.permute(0, 3, 1, 2, 4).reshape(batch, num_tokens, num_q_heads, head_dim).to(query.dtype)

@@ -1,0 +1,31 @@
+"""The selector protocol: score every block of a layer; the layer keeps the top ones resident."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from oasis_hf.cache.layer import OasisLayer
+
+
+class BlockSelector(ABC):
+    """Scores blocks; higher means more worth keeping on the GPU.
+
+    The layer adds the rules every policy shares: sinks and the recent window always resident, padding and blocks
+    past the end never chosen, at most ``S`` blocks, at most ``max_fetch_blocks`` fetched per step.
+    To add a policy: one file here with a subclass, one line in ``SELECTORS`` (``selectors/__init__.py``), one row
+    in ``tests/test_selectors.py``.
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def score(self, layer: OasisLayer, query: torch.Tensor, scale: float, block_ok: torch.Tensor) -> torch.Tensor:
+        """Return (B, H_kv, NB_cap) float32 scores.
+
+        query : (B, H_q, T, D) the queries of this forward (RoPE applied). block_ok : (B, 1, NB_cap) bool, the
+        blocks that hold real tokens (entries outside it are ignored).
+        """

@@ -1,0 +1,19 @@
+"""``oracle``: exact attention mass per block from the full keys in host memory.
+
+For tests and for measuring the recall of the other selectors: it reads every key of the layer from the host store
+each step (slow by design), computes this step's exact softmax attention, and scores each block by the probability
+mass it holds (GQA group and query tokens summed).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from oasis_hf.selectors.base import BlockSelector
+
+
+class OracleSelector(BlockSelector):
+    name = "oracle"
+
+    def score(self, layer, query: torch.Tensor, scale: float, block_ok: torch.Tensor) -> torch.Tensor:
+        return layer.exact_block_mass(query, scale, block_ok)
