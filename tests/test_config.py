@@ -1,0 +1,41 @@
+import dataclasses
+
+import pytest
+
+from oasis_hf import OasisConfig
+
+BAD = [
+    ("block_size", 24, "power of two"),
+    ("block_size", 8, "power of two"),
+    ("block_size", "32", "expected an int"),
+    ("budget_tokens", 100, "multiple of block_size"),
+    ("budget_tokens", 0, "multiple|positive"),
+    ("budget_tokens", 128, "sink_tokens \\+ recent_tokens"),
+    ("sink_tokens", -32, "non-negative multiple"),
+    ("recent_tokens", 33, "multiple of block_size"),
+    ("selector", "lookahed", "choose one of"),
+    ("summary", "4bit", "choose one of"),
+    ("kernel_backend", "cuda", "choose one of"),
+    ("max_fetch_blocks", 0, "positive int"),
+    ("host_capacity_tokens", -1, "positive int"),
+    ("host_growth_tokens", 0, "positive"),
+    ("pin_host_memory", "yes", "True, False or None"),
+    ("host_memory_headroom_bytes", -5, "non-negative"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "why"), BAD)
+def test_invalid_field_names_field_and_value(field, value, why):
+    with pytest.raises(ValueError, match=why) as err:
+        OasisConfig(**{field: value})
+    assert f"OasisConfig.{field}={value!r}" in str(err.value)
+
+
+def test_frozen_roundtrip_and_unknown_keys():
+    cfg = OasisConfig(budget_tokens=1024)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.budget_tokens = 512
+    assert OasisConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="unknown OasisConfig field"):
+        OasisConfig.from_dict({"budget": 1024})
+    assert cfg.budget_blocks == 32 and cfg.sink_blocks == 1 and cfg.recent_blocks == 5

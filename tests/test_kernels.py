@@ -1,0 +1,135 @@
+"""Every Triton kernel against its PyTorch twin (under TRITON_INTERPRET=1 on CPU, natively on the GPU), plus a
+second, naive oracle for the sparse attention (dense SDPA over the gathered blocks)."""
+
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from oasis_hf.kernels import INTERPRET, TRITON_AVAILABLE, copy_rows, copy_rows_ref, sparse_attention, sparse_attention_ref
+
+needs_triton = pytest.mark.skipif(
+    not (TRITON_AVAILABLE and (INTERPRET or torch.cuda.is_available())),
+    reason="Triton kernels need a GPU or TRITON_INTERPRET=1 (set by .ci/run)",
+)
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+# (B, H_q, H_kv, T, D, S, BS, L): 1 and many query tokens, partial last block, GQA 1/4/7, odd head dims
+CASES = [
+    (1, 4, 4, 1, 16, 3, 16, 40),
+    (2, 8, 2, 1, 64, 5, 16, 75),
+    (1, 7, 1, 4, 32, 4, 32, 100),
+    (3, 4, 1, 9, 16, 6, 16, 81),
+    (2, 14, 2, 1, 80, 4, 16, 50),
+]
+
+
+def make_inputs(case, dtype, device="cpu"):
+    b, hq, hkv, t, d, s, bs, length = case
+    nb = -(-length // bs)
+    query = torch.randn(b, hq, t, d, device=device).mul_(0.5).to(dtype)
+    pool_k = torch.randn(b, hkv, s, bs, d, device=device).to(dtype)
+    pool_v = torch.randn(b, hkv, s, bs, d, device=device).to(dtype)
+    slot_block = torch.full((b, hkv, s + 1), -1, dtype=torch.long)
+    for i in range(b):
+        for h in range(hkv):
+            chosen = torch.randperm(nb - 1)[: s - 1]
+            slot_block[i, h, : len(chosen)] = chosen
+            slot_block[i, h, s - 1] = nb - 1  # the tail block (new tokens) is always resident
+    kv_start = torch.randint(0, bs + 3, (b,))
+    return query, pool_k, pool_v, slot_block.to(device), length, kv_start.to(device), d**-0.5
+
+
+def naive_oracle(query, pool_k, pool_v, slot_block, length, kv_start, scale):
+    """Gather every resident token into dense K/V and run fp32 SDPA with an explicit mask."""
+    b, hq, t, d = query.shape
+    _, hkv, s, bs, _ = pool_k.shape
+    out = torch.zeros(b, t, hq, d)
+    for i in range(b):
+        for h in range(hq):
+            kvh = h // (hq // hkv)
+            keys, values, pos = [], [], []
+            for slot in range(s):
+                blk = int(slot_block[i, kvh, slot])
+                if blk < 0:
+                    continue
+                keys.append(pool_k[i, kvh, slot].float())
+                values.append(pool_v[i, kvh, slot].float())
+                pos.append(torch.arange(blk * bs, blk * bs + bs))
+            k, v, p = torch.cat(keys), torch.cat(values), torch.cat(pos)
+            qpos = length - t + torch.arange(t)
+            mask = (p[None] <= qpos[:, None]) & (p[None] < length) & (p[None] >= int(kv_start[i]))
+            o = F.scaled_dot_product_attention(query[i, h].float()[None], k[None], v[None], attn_mask=mask[None],
+                                               scale=scale)[0]
+            out[i, :, h] = torch.where(mask.any(-1, keepdim=True), o, 0.0)
+    return out
+
+
+def test_twins_have_identical_signatures():
+    assert inspect.signature(sparse_attention) == inspect.signature(sparse_attention_ref)
+    assert inspect.signature(copy_rows) == inspect.signature(copy_rows_ref)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_ref_matches_naive_oracle(case):
+    args = make_inputs(case, torch.float32)
+    ref = sparse_attention_ref(*args)
+    torch.testing.assert_close(ref, naive_oracle(*args), atol=1e-5, rtol=1e-5)
+
+
+def _check_kernel(case, dtype, device):
+    args = make_inputs(case, dtype, device)
+    out = sparse_attention(*args)
+    ref = sparse_attention_ref(*args)
+    exact = sparse_attention_ref(args[0].float(), args[1].float(), args[2].float(), *args[3:])
+    err = (out.float() - exact.float()).abs().max().item()
+    ref_err = (ref.float() - exact.float()).abs().max().item()
+    assert out.shape == ref.shape == (case[0], case[3], case[1], case[4]) and out.dtype == dtype
+    assert err <= 2 * ref_err + TOL[dtype], f"kernel err {err:.3g} vs twin err {ref_err:.3g} ({dtype}, {case})"
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_sparse_attention_kernel_matches_twin(case, dtype):
+    _check_kernel(case, dtype, "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")
+
+
+@needs_triton
+def test_copy_rows_kernel_matches_twin():
+    src = torch.randn(7, 3, 48)
+    rows = torch.tensor([0, 5, -1, 19, 20])
+    src_off = torch.where(rows >= 0, rows * 48, -1)
+    dst_off = torch.tensor([4, 0, 1, 3, 2]) * 48
+    dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+    dst_k = torch.full((5, 48), float("nan"), device=dev)
+    dst_r = dst_k.clone()
+    copy_rows(src.to(dev), src_off.to(dev), dst_k, dst_off.to(dev), 48)
+    copy_rows_ref(src.to(dev), src_off.to(dev), dst_r, dst_off.to(dev), 48)
+    torch.testing.assert_close(dst_k, dst_r, equal_nan=True)
+    assert torch.isnan(dst_k[1]).all() and torch.equal(dst_k[4].cpu(), src.view(-1, 48)[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_sparse_attention_gpu_large(dtype):
+    """Real decode shapes on the GPU: Llama-8B heads, budget 2048, batch 8."""
+    _check_kernel((8, 32, 8, 1, 128, 64, 32, 30000), dtype, "cuda")
+    _check_kernel((2, 28, 4, 5, 128, 64, 32, 9000), dtype, "cuda")
+
+
+@pytest.mark.gpu
+def test_copy_rows_reads_and_writes_pinned_host_memory():
+    host = torch.randn(64, 4096).pin_memory()
+    dev = torch.zeros(16, 4096, device="cuda")
+    rows = torch.randperm(64)[:16]
+    copy_rows(host, (rows * 4096).cuda(), dev, (torch.arange(16) * 4096).cuda(), 4096)
+    torch.testing.assert_close(dev.cpu(), host[rows])
+    back = torch.zeros(16, 4096).pin_memory()
+    copy_rows(dev, (torch.arange(16) * 4096).cuda(), back, (torch.arange(16).flip(0) * 4096).cuda(), 4096)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(back.flip(0), host[rows])
+    with pytest.raises(ValueError, match="pageable"):
+        copy_rows(torch.randn(4, 8), torch.zeros(1, dtype=torch.long, device="cuda"), dev,
+                  torch.zeros(1, dtype=torch.long, device="cuda"), 8)
