@@ -63,6 +63,8 @@ class HostKVStore:
         self.growth_blocks = max(1, growth_tokens // block_size)
         self.segments: list[_Segment] = []
         self.capacity_blocks = 0
+        self._row_offsets: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._bh_cache: dict[tuple, torch.Tensor] = {}
 
     # ----------------------------------------------------------------------------------------------- allocation
     def bytes_per_block(self) -> int:
@@ -134,17 +136,26 @@ class HostKVStore:
                 else:
                     target.copy_(part)
 
-    @staticmethod
-    def _write_rows(src: torch.Tensor, dst: torch.Tensor) -> None:
+    def _write_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """One zero-copy launch: every (b, h, t) row of `src` (device) into `dst` (pinned host), same shape."""
-        batch, heads, tokens, _ = src.shape
-        dev = src.device
-        b = torch.arange(batch, device=dev).view(-1, 1, 1)
-        h = torch.arange(heads, device=dev).view(1, -1, 1)
-        t = torch.arange(tokens, device=dev).view(1, 1, -1)
-        src_off = (b * src.stride(0) + h * src.stride(1) + t * src.stride(2)).reshape(-1)
-        dst_off = (b * dst.stride(0) + h * dst.stride(1) + t * dst.stride(2)).reshape(-1)
-        copy_rows(src, src_off, dst, dst_off, src.shape[-1])
+        key = (tuple(src.shape), src.stride()[:3], dst.stride()[:3], src.device)
+        offsets = self._row_offsets.get(key)
+        if offsets is None:  # depends on shapes and strides only: built once per decode shape, not per step
+            batch, heads, tokens, _ = src.shape
+            dev = src.device
+            b = torch.arange(batch, device=dev).view(-1, 1, 1)
+            h = torch.arange(heads, device=dev).view(1, -1, 1)
+            t = torch.arange(tokens, device=dev).view(1, 1, -1)
+            offsets = tuple((b * x.stride(0) + h * x.stride(1) + t * x.stride(2)).reshape(-1) for x in (src, dst))
+            if tokens <= 64:  # keep decode/verification shapes only
+                self._row_offsets[key] = offsets
+        copy_rows(src, offsets[0], dst, offsets[1], src.shape[-1])
+
+    def _bh(self, batch: int, heads: int, device) -> torch.Tensor:
+        key = (batch, heads, device)
+        if key not in self._bh_cache:
+            self._bh_cache[key] = torch.arange(batch * heads, device=device).view(batch, heads, 1)
+        return self._bh_cache[key]
 
     # ---------------------------------------------------------------------------------------------------- fetch
     def fetch(
@@ -165,7 +176,7 @@ class HostKVStore:
         batch, heads, _ = blocks.shape
         dev = pool_k.device
         row = self.block_size * self.head_dim
-        bh = (torch.arange(batch, device=dev).view(-1, 1, 1) * heads + torch.arange(heads, device=dev).view(1, -1, 1))
+        bh = self._bh(batch, heads, dev)
         dst_off = ((bh * pool_k.shape[2] + slots) * row).reshape(-1)
         for seg in self.segments:
             local = blocks - seg.start_block

@@ -237,13 +237,20 @@ class OasisLayer(CacheLayerMixin):
         """(B, H_kv, NB_cap) scores with the shared rules: forced blocks +inf, non-blocks -inf."""
         cfg = self.config
         num_blocks = -(-end // cfg.block_size)
-        ids = torch.arange(self.table.capacity_blocks, device=self.device).view(1, 1, -1)
+        ids = self._block_ids()
         first = (self.kv_start // cfg.block_size).view(-1, 1, 1)
         block_ok = (ids >= first) & (ids < num_blocks)
         raw = self.cache.selector.score(self, query, scale, block_ok)
         recent_from = min(num_blocks - cfg.recent_blocks, start // cfg.block_size)
         forced = block_ok & ((ids < first + cfg.sink_blocks) | (ids >= recent_from))
         return torch.where(forced, INF, torch.where(block_ok, raw.float(), -INF))
+
+    def _block_ids(self) -> torch.Tensor:
+        """(1, 1, NB_cap) arange, rebuilt only when the capacity grows."""
+        cap = self.table.capacity_blocks
+        if getattr(self, "_ids", None) is None or self._ids.shape[-1] != cap:
+            self._ids = torch.arange(cap, device=self.device).view(1, 1, -1)
+        return self._ids
 
     def _pinned_slots(self, num_blocks: int) -> torch.Tensor:
         """(B, H_kv, S) bool: slots whose block is a sink or in the recent window for `num_blocks` blocks."""

@@ -19,6 +19,7 @@ interpreter path upcasts everything to float32 first (`DOT_FP32`).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -70,6 +71,7 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         DOT_FP32: tl.constexpr,
+        IEEE: tl.constexpr,
     ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -105,7 +107,10 @@ if triton is not None:
             k = tl.load(k_ptrs, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
             if DOT_FP32:
                 k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k)) * scale  # (BLOCK_M, BLOCK_SIZE)
+            if IEEE:  # float32 operands on the GPU: no silent tf32
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BLOCK_M, BLOCK_SIZE)
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale
             allowed = key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -114,7 +119,9 @@ if triton is not None:
             p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptrs, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
-            if DOT_FP32:
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            elif DOT_FP32:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -126,10 +133,15 @@ if triton is not None:
         tl.store(L_PART + part + rows, l_i)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _num_splits(batch_heads: int, num_slots: int, device: torch.device) -> int:
     if device.type != "cuda":
         return min(2, num_slots)  # interpreter: exercise the merge, keep the grid small
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device)
     return max(1, min(num_slots, math.ceil(2 * sms / batch_heads)))
 
 
@@ -199,6 +211,7 @@ def sparse_attention(
         H_KV=num_kv_heads, GROUP=group, NUM_TOKENS=num_tokens, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         DOT_FP32=INTERPRET or query.dtype == torch.float32,
+        IEEE=not INTERPRET and query.dtype == torch.float32,
     )  # fmt: skip
 
     # Merge the splits: out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s.

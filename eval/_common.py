@@ -1,0 +1,85 @@
+"""Shared helpers of the eval scripts: environment record, timing, markdown + JSON output."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def environment() -> dict:
+    import transformers
+
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, "-m", "eval." + Path(sys.argv[0]).stem,
+                                                      *sys.argv[1:]]),
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    try:
+        env["git_sha"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                        check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        env["git_sha"] = None
+    return env
+
+
+def time_steps(step, warmup: int, repeats: int) -> list[float]:
+    """Milliseconds of each call of `step()` after `warmup` calls (device synchronised around each call)."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = []
+        for col in columns:
+            value = row.get(col, "")
+            cells.append(f"{value:.3g}" if isinstance(value, float) else str(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_results(path: Path, payload: dict, table: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps(payload, indent=2, default=str))
+    path.with_suffix(".md").write_text(table + "\n")

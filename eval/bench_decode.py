@@ -1,0 +1,135 @@
+"""Decode-step benchmark: OasisCache against dense `DynamicCache`, same model, same prompt, same run.
+
+    python -m eval.bench_decode --preset core-8b-b8-32k --out eval/results/core_decode_8b_b8_32k
+
+Random-weight models of real shapes (speed does not depend on the weights). Each method prefills the same prompt
+and then times single-token decode steps (median and p90 over `repeats` steps after `warmup`). Prints a markdown
+table and writes JSON (environment, config, exact command, raw times) next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import oasis_hf
+from eval._common import environment, markdown_table, median, percentile, time_steps, write_results
+
+logger = logging.getLogger("eval.bench_decode")
+
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=256, max_position_embeddings=8192)
+
+PRESETS = {
+    # The acceptance run of the core issue: batch 8, 32k context, budget 2048, current-query selection.
+    "core-8b-b8-32k": dict(shape=LLAMA_8B, batch=8, context=32512, host_capacity=32768, budget=2048,
+                           selectors=["current-query"], warmup=3, repeats=20),
+    "smoke": dict(shape=TINY, batch=2, context=1000, host_capacity=None, budget=256,
+                  selectors=["current-query", "static"], warmup=1, repeats=5),
+}
+
+
+def build_model(shape: dict, device: str, dtype: torch.dtype) -> LlamaForCausalLM:
+    config = LlamaConfig(**shape)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    return model.eval()
+
+
+@torch.inference_mode()
+def run_method(model, name: str, make_cache, input_ids, warmup: int, repeats: int) -> dict:
+    device = input_ids.device
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()
+    cache = make_cache()
+    t0 = time.perf_counter()
+    out = model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    prefill_s = time.perf_counter() - t0
+    token = out.logits[:, -1:].argmax(-1)
+
+    def step():
+        nonlocal token
+        logits = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        token = logits[:, -1:].argmax(-1)
+
+    times = time_steps(step, warmup, repeats)
+    batch = input_ids.shape[0]
+    row = {"method": name, "ms/step (median)": median(times), "ms/step (p90)": percentile(times, 0.9),
+           "tokens/s": batch * 1e3 / median(times), "prefill s": prefill_s, "raw_ms": times}
+    if isinstance(cache, oasis_hf.OasisCache):
+        row["GPU KV MiB/seq"] = cache.device_nbytes() / batch / 2**20
+        row["host MiB/seq"] = cache.host_nbytes() / batch / 2**20
+        stats = cache.stats.summary()
+        row["fetched blocks/layer-step"] = stats["fetched_blocks_per_layer_step"]
+    else:
+        kv = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
+        row["GPU KV MiB/seq"] = kv / batch / 2**20
+        row["host MiB/seq"] = 0.0
+    del cache, out
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
+    parser.add_argument("--out", type=Path, default=None, help="results path without suffix (.md and .json written)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    preset = PRESETS[args.preset]
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    oasis_hf.register()
+    model = build_model(preset["shape"], args.device, dtype)
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, preset["shape"]["vocab_size"], (preset["batch"], preset["context"]), generator=gen)
+    input_ids = input_ids.to(args.device)
+
+    rows = []
+    model.set_attn_implementation("sdpa")
+    logger.info("dense DynamicCache ...")
+    rows.append(run_method(model, "dense DynamicCache (sdpa)", lambda: DynamicCache(config=model.config), input_ids,
+                           preset["warmup"], preset["repeats"]))
+    model.set_attn_implementation("oasis")
+    for selector in preset["selectors"]:
+        cfg = oasis_hf.OasisConfig(budget_tokens=preset["budget"], selector=selector,
+                                   host_capacity_tokens=preset["host_capacity"])
+        logger.info("OasisCache %s ...", selector)
+        rows.append(run_method(model, f"OasisKV {selector} @{preset['budget']}",
+                               lambda cfg=cfg: oasis_hf.OasisCache(model.config, cfg), input_ids,
+                               preset["warmup"], preset["repeats"]))
+    dense_ms = rows[0]["ms/step (median)"]
+    dense_kv = rows[0]["GPU KV MiB/seq"]
+    for row in rows:
+        row["step vs dense"] = row["ms/step (median)"] / dense_ms
+        row["GPU KV vs dense"] = row["GPU KV MiB/seq"] / dense_kv
+    columns = ["method", "ms/step (median)", "ms/step (p90)", "tokens/s", "step vs dense", "GPU KV MiB/seq",
+               "GPU KV vs dense", "host MiB/seq", "fetched blocks/layer-step", "prefill s"]
+    env = environment()
+    header = (f"Test configuration: {env.get('gpu', 'cpu')}, torch {env['torch']}, transformers "
+              f"{env['transformers']}, triton {env['triton']}; random-weight Llama shape "
+              f"{preset['shape']['num_hidden_layers']}L/{preset['shape']['num_key_value_heads']}kv, "
+              f"{dtype}, batch {preset['batch']}, context {preset['context']}, budget {preset['budget']}; "
+              f"`{env['command']}`\n\n")
+    table = header + markdown_table(rows, columns)
+    print(table)
+    if args.out is not None:
+        write_results(args.out, {"env": env, "preset": args.preset, "config": {k: v for k, v in preset.items()
+                                                                                if k != "shape"},
+                                 "shape": preset["shape"], "rows": rows}, table)
+
+
+if __name__ == "__main__":
+    main()
