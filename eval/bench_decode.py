@@ -31,7 +31,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 PRESETS = {
     # The acceptance run of the core issue: batch 8, 32k context, budget 2048, current-query selection.
     "core-8b-b8-32k": dict(shape=LLAMA_8B, batch=8, context=32512, host_capacity=32768, budget=2048,
-                           selectors=["current-query"], warmup=3, repeats=20),
+                           selectors=["current-query", "static"], warmup=3, repeats=20),
     "smoke": dict(shape=TINY, batch=2, context=1000, host_capacity=None, budget=256,
                   selectors=["current-query", "static"], warmup=1, repeats=5),
 }
@@ -45,7 +45,7 @@ def build_model(shape: dict, device: str, dtype: torch.dtype) -> LlamaForCausalL
 
 
 @torch.inference_mode()
-def run_method(model, name: str, make_cache, input_ids, warmup: int, repeats: int) -> dict:
+def run_method(model, name: str, make_cache, input_ids, warmup: int, repeats: int, profile_dir=None) -> dict:
     device = input_ids.device
     gc.collect()
     if device.type == "cuda":
@@ -66,6 +66,18 @@ def run_method(model, name: str, make_cache, input_ids, warmup: int, repeats: in
         token = logits[:, -1:].argmax(-1)
 
     times = time_steps(step, warmup, repeats)
+    if profile_dir is not None:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        slug = "".join(c if c.isalnum() else "_" for c in name)
+        text = prof.key_averages().table(sort_by="cpu_time_total", row_limit=30)
+        launches = sum(evt.count for evt in prof.key_averages() if evt.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                                                 "cuLaunchKernelEx"))
+        (profile_dir / f"profile_{slug}.txt").write_text(f"kernel launches per step: {launches / 3:.0f}\n{text}")
     batch = input_ids.shape[0]
     row = {"method": name, "ms/step (median)": median(times), "ms/step (p90)": percentile(times, 0.9),
            "tokens/s": batch * 1e3 / median(times), "prefill s": prefill_s, "raw_ms": times}
@@ -78,7 +90,7 @@ def run_method(model, name: str, make_cache, input_ids, warmup: int, repeats: in
         kv = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
         row["GPU KV MiB/seq"] = kv / batch / 2**20
         row["host MiB/seq"] = 0.0
-    del cache, out
+
     return row
 
 
@@ -86,6 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
     parser.add_argument("--out", type=Path, default=None, help="results path without suffix (.md and .json written)")
+    parser.add_argument("--profile", type=Path, default=None, help="folder for a torch.profiler table per method")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -101,7 +114,7 @@ def main() -> None:
     model.set_attn_implementation("sdpa")
     logger.info("dense DynamicCache ...")
     rows.append(run_method(model, "dense DynamicCache (sdpa)", lambda: DynamicCache(config=model.config), input_ids,
-                           preset["warmup"], preset["repeats"]))
+                           preset["warmup"], preset["repeats"], args.profile))
     model.set_attn_implementation("oasis")
     for selector in preset["selectors"]:
         cfg = oasis_hf.OasisConfig(budget_tokens=preset["budget"], selector=selector,
@@ -109,7 +122,7 @@ def main() -> None:
         logger.info("OasisCache %s ...", selector)
         rows.append(run_method(model, f"OasisKV {selector} @{preset['budget']}",
                                lambda cfg=cfg: oasis_hf.OasisCache(model.config, cfg), input_ids,
-                               preset["warmup"], preset["repeats"]))
+                               preset["warmup"], preset["repeats"], args.profile))
     dense_ms = rows[0]["ms/step (median)"]
     dense_kv = rows[0]["GPU KV MiB/seq"]
     for row in rows:

@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 import oasis_hf
-from oasis_hf import HostMemoryError, OasisCache, OasisConfig, UnsupportedError
+from oasis_hf import HostMemoryError, OasisCache, UnsupportedError
 from tests._factories import VOCAB, oasis_cache, tiny_model
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma3"]
@@ -46,7 +46,8 @@ def test_logits_match_dense_within_tolerance(family):
     ids, mask = left_padded([140, 90])
     dense, model = tiny_model(family), tiny_model(family, attn="oasis")
     ref = dense.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
-                         output_logits=True, return_dict_in_generate=True, past_key_values=DynamicCache(config=dense.config))
+                         output_logits=True, return_dict_in_generate=True,
+                         past_key_values=DynamicCache(config=dense.config))
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
                          output_logits=True, return_dict_in_generate=True, past_key_values=oasis_cache(model))
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), atol=1e-4, rtol=1e-4)

@@ -7,7 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from oasis_hf.kernels import INTERPRET, TRITON_AVAILABLE, copy_rows, copy_rows_ref, sparse_attention, sparse_attention_ref
+from oasis_hf.kernels import (
+    INTERPRET,
+    TRITON_AVAILABLE,
+    copy_rows,
+    copy_rows_ref,
+    sparse_attention,
+    sparse_attention_ref,
+)
 
 needs_triton = pytest.mark.skipif(
     not (TRITON_AVAILABLE and (INTERPRET or torch.cuda.is_available())),

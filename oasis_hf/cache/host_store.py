@@ -102,7 +102,8 @@ class HostKVStore:
         except (RuntimeError, MemoryError) as exc:  # cudaHostAlloc / malloc refused: give back what we took
             keys.clear()
             values.clear()
-            raise HostMemoryError(nbytes, available, self.headroom_bytes, self.capacity_blocks * self.block_size) from exc
+            held = self.capacity_blocks * self.block_size
+            raise HostMemoryError(nbytes, available, self.headroom_bytes, held) from exc
         self.segments.append(_Segment(self.capacity_blocks, num_blocks, keys, values))
         self.capacity_blocks += num_blocks
         logger.debug("host store: +%d blocks (%.1f MiB, pinned=%s)", num_blocks, nbytes / 2**20, self.pin)

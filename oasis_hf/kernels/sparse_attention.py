@@ -133,7 +133,7 @@ if triton is not None:
         tl.store(L_PART + part + rows, l_i)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
