@@ -22,6 +22,10 @@ from oasis_hf.kernels import copy_rows, copy_rows_ref
 
 logger = logging.getLogger(__name__)
 
+#: Write-back offsets are memoised for forwards of at most this many tokens (decode and draft verification), whose
+#: shapes repeat every step; a prefill's offsets are built once and dropped.
+_MEMO_MAX_TOKENS = 64
+
 
 @dataclass
 class _Segment:
@@ -148,7 +152,7 @@ class HostKVStore:
             h = torch.arange(heads, device=dev).view(1, -1, 1)
             t = torch.arange(tokens, device=dev).view(1, 1, -1)
             offsets = tuple((b * x.stride(0) + h * x.stride(1) + t * x.stride(2)).reshape(-1) for x in (src, dst))
-            if tokens <= 64:  # keep decode/verification shapes only
+            if tokens <= _MEMO_MAX_TOKENS:
                 self._row_offsets[key] = offsets
         copy_rows(src, offsets[0], dst, offsets[1], src.shape[-1])
 

@@ -56,6 +56,7 @@ class OasisLayer(CacheLayerMixin):
         self._pending: tuple[int, int] | None = None
         self.kv_start: torch.Tensor | None = None  # (B,) first real position (left padding)
         self.writeback_event = None
+        self._ids: torch.Tensor | None = None  # (1, 1, NB_cap) arange, see _block_ids
 
     # ------------------------------------------------------------------------------------------ HF layer API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -248,7 +249,7 @@ class OasisLayer(CacheLayerMixin):
     def _block_ids(self) -> torch.Tensor:
         """(1, 1, NB_cap) arange, rebuilt only when the capacity grows."""
         cap = self.table.capacity_blocks
-        if getattr(self, "_ids", None) is None or self._ids.shape[-1] != cap:
+        if self._ids is None or self._ids.shape[-1] != cap:
             self._ids = torch.arange(cap, device=self.device).view(1, 1, -1)
         return self._ids
 
