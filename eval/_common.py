@@ -43,8 +43,12 @@ def environment() -> dict:
     return env
 
 
-def time_steps(step, warmup: int, repeats: int) -> list[float]:
-    """Milliseconds of each call of `step()` after `warmup` calls (device synchronised around each call)."""
+def time_steps(step, warmup: int, repeats: int, enqueue_ms: list[float] | None = None) -> list[float]:
+    """Milliseconds of each call of `step()` after `warmup` calls (device synchronised around each call).
+
+    If `enqueue_ms` is given, the host time of each call before the closing synchronisation is appended to it: when
+    it is close to the step time the step is bound by the CPU (Python, launches), when it is far below, by the GPU.
+    """
     for _ in range(warmup):
         step()
     times = []
@@ -53,9 +57,12 @@ def time_steps(step, warmup: int, repeats: int) -> list[float]:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         step()
+        t1 = time.perf_counter()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
+        if enqueue_ms is not None:
+            enqueue_ms.append((t1 - t0) * 1e3)
     return times
 
 

@@ -31,9 +31,10 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 PRESETS = {
     # The acceptance run of the core issue: batch 8, 32k context, budget 2048, current-query selection.
     "core-8b-b8-32k": dict(shape=LLAMA_8B, batch=8, context=32512, host_capacity=32768, budget=2048,
-                           selectors=["current-query", "static"], warmup=3, repeats=20),
+                           selectors=["current-query", "static"], eager=["current-query"], floor_context=2048,
+                           warmup=3, repeats=20),
     "smoke": dict(shape=TINY, batch=2, context=1000, host_capacity=None, budget=256,
-                  selectors=["current-query", "static"], warmup=1, repeats=5),
+                  selectors=["current-query", "static"], eager=[], floor_context=None, warmup=1, repeats=5),
 }
 
 
@@ -65,7 +66,8 @@ def run_method(model, name: str, make_cache, input_ids, warmup: int, repeats: in
         logits = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
         token = logits[:, -1:].argmax(-1)
 
-    times = time_steps(step, warmup, repeats)
+    enqueue: list[float] = []
+    times = time_steps(step, warmup, repeats, enqueue)
     if profile_dir is not None:
         from torch.profiler import ProfilerActivity, profile
 
@@ -81,7 +83,9 @@ def run_method(model, name: str, make_cache, input_ids, warmup: int, repeats: in
     batch = input_ids.shape[0]
     row = {"method": name, "ms/step (median)": median(times), "ms/step (p90)": percentile(times, 0.9),
            "tokens/s": batch * 1e3 / median(times), "prefill s": prefill_s, "raw_ms": times}
+    row["host enqueue ms/step"] = median(enqueue)
     if isinstance(cache, oasis_hf.OasisCache):
+        row.update(graph_replay_cost(cache))
         row["GPU KV MiB/seq"] = cache.device_nbytes() / batch / 2**20
         row["host MiB/seq"] = cache.host_nbytes() / batch / 2**20
         stats = cache.stats.summary()
@@ -92,6 +96,24 @@ def run_method(model, name: str, make_cache, input_ids, warmup: int, repeats: in
         row["host MiB/seq"] = 0.0
 
     return row
+
+
+def graph_replay_cost(cache: oasis_hf.OasisCache, replays: int = 20) -> dict:
+    """Host and device microseconds of one replay of layer 0's captured T=1 step (run last: it changes the cache)."""
+    graphs = cache.oasis_layers[0]._graphs
+    if 1 not in graphs:
+        return {}
+    graph = graphs[1].graph
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    begin.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    host_us = (time.perf_counter() - t0) * 1e6 / replays
+    torch.cuda.synchronize()
+    return {"graph replay host us": host_us, "graph replay GPU us": begin.elapsed_time(end) * 1e3 / replays}
 
 
 def main() -> None:
@@ -115,12 +137,21 @@ def main() -> None:
     logger.info("dense DynamicCache ...")
     rows.append(run_method(model, "dense DynamicCache (sdpa)", lambda: DynamicCache(config=model.config), input_ids,
                            preset["warmup"], preset["repeats"], args.profile))
+    if preset["floor_context"]:
+        # The same forward at a short context: what a step costs when attention reads almost nothing (HF's floor).
+        rows.append(run_method(model, f"dense DynamicCache (sdpa), {preset['floor_context']}-token context (floor)",
+                               lambda: DynamicCache(config=model.config), input_ids[:, -preset["floor_context"]:],
+                               preset["warmup"], preset["repeats"], None))
     model.set_attn_implementation("oasis")
-    for selector in preset["selectors"]:
+    # Each selector with the decode step in CUDA graphs (the default), and the listed ones also eagerly, so the
+    # effect of the graphs is measured in the same run.
+    variants = [(s, True) for s in preset["selectors"]] + [(s, False) for s in preset["eager"]]
+    for selector, graphs in variants:
         cfg = oasis_hf.OasisConfig(budget_tokens=preset["budget"], selector=selector,
-                                   host_capacity_tokens=preset["host_capacity"])
-        logger.info("OasisCache %s ...", selector)
-        rows.append(run_method(model, f"OasisKV {selector} @{preset['budget']}",
+                                   host_capacity_tokens=preset["host_capacity"], cuda_graphs=graphs)
+        label = f"OasisKV {selector} @{preset['budget']}" + ("" if graphs else " (eager, no CUDA graphs)")
+        logger.info("%s ...", label)
+        rows.append(run_method(model, label,
                                lambda cfg=cfg: oasis_hf.OasisCache(model.config, cfg), input_ids,
                                preset["warmup"], preset["repeats"], args.profile))
     dense_ms = rows[0]["ms/step (median)"]
@@ -128,8 +159,9 @@ def main() -> None:
     for row in rows:
         row["step vs dense"] = row["ms/step (median)"] / dense_ms
         row["GPU KV vs dense"] = row["GPU KV MiB/seq"] / dense_kv
-    columns = ["method", "ms/step (median)", "ms/step (p90)", "tokens/s", "step vs dense", "GPU KV MiB/seq",
-               "GPU KV vs dense", "host MiB/seq", "fetched blocks/layer-step", "prefill s"]
+    columns = ["method", "ms/step (median)", "ms/step (p90)", "tokens/s", "step vs dense", "host enqueue ms/step",
+               "GPU KV MiB/seq", "GPU KV vs dense", "host MiB/seq", "fetched blocks/layer-step",
+               "graph replay host us", "graph replay GPU us", "prefill s"]
     env = environment()
     header = (f"Test configuration: {env.get('gpu', 'cpu')}, torch {env['torch']}, transformers "
               f"{env['transformers']}, triton {env['triton']}; random-weight Llama shape "

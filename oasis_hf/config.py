@@ -58,6 +58,10 @@ class OasisConfig:
     host_memory_headroom_bytes : int
         Host memory left free when sizing the store; an allocation that would cut into it fails up front with
         `HostMemoryError`. Default 1 GiB.
+    cuda_graphs : bool
+        On CUDA, capture each layer's decode step (selection, delta, fetch, sparse attention) in a CUDA graph per
+        forward length ``T <= 16`` and replay it: a few launches per layer instead of ~190. The first forward of
+        each ``T`` runs eagerly, the second captures. Default True; False runs every step eagerly.
     """
 
     block_size: int = 32
@@ -72,6 +76,7 @@ class OasisConfig:
     host_growth_tokens: int = 4096
     pin_host_memory: bool | None = None
     host_memory_headroom_bytes: int = 1 << 30
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         from oasis_hf.selectors import SELECTORS  # local: selectors import nothing from config at module level
@@ -119,6 +124,8 @@ class OasisConfig:
             raise bad("host_capacity_tokens", self.host_capacity_tokens, "use a positive int, or None")
         if self.pin_host_memory not in (None, True, False):
             raise bad("pin_host_memory", self.pin_host_memory, "use True, False or None (auto)")
+        if not isinstance(self.cuda_graphs, bool):
+            raise bad("cuda_graphs", self.cuda_graphs, "use True or False")
         if not isinstance(self.host_memory_headroom_bytes, int) or self.host_memory_headroom_bytes < 0:
             raise bad("host_memory_headroom_bytes", self.host_memory_headroom_bytes, "use a non-negative int")
 

@@ -35,11 +35,13 @@ def test_random_operations_keep_invariants(seed, slots, cap, ops):
             num_blocks = max(1, num_blocks - int(torch.randint(0, 3, (1,), generator=gen)))
             table.drop_from(num_blocks)
         elif op == "allocate" and num_blocks < table.capacity_blocks:
+            # The decode step's fixed-shape call: candidates (tail, next), installing only those not resident.
             resident = table.slot_block[..., :slots]
-            if bool((resident == num_blocks).any()):
-                continue
             pinned = resident == num_blocks - 1  # keep the current tail
-            table.allocate(torch.full((batch, heads, 1), num_blocks), pinned)
+            candidates = torch.tensor([num_blocks - 1, num_blocks]).expand(batch, heads, -1)
+            fresh = table.block_slot.gather(-1, candidates) < 0
+            table.allocate(candidates, pinned, fresh)
+            assert bool((table.slot_block[..., :slots] == num_blocks).any(-1).all()), "new block not resident"
             num_blocks += 1
         else:
             forced = [0, num_blocks - 1]

@@ -136,7 +136,7 @@ class HostKVStore:
                 part = src[:, :, lo - start : hi - start]
                 flat = dst.view(self.batch_size, self.num_kv_heads, seg.num_blocks * bs, self.head_dim)
                 target = flat[:, :, lo - seg.start_block * bs : hi - seg.start_block * bs]
-                if src.is_cuda and dst.is_pinned():
+                if src.is_cuda and self.pin:
                     self._write_rows(part, target)
                 else:
                     target.copy_(part)
@@ -155,6 +155,33 @@ class HostKVStore:
             if tokens <= _MEMO_MAX_TOKENS:
                 self._row_offsets[key] = offsets
         copy_rows(src, offsets[0], dst, offsets[1], src.shape[-1])
+
+    def write_at(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor) -> None:
+        """Store new tokens at positions ``start .. start + T - 1`` given as a 0-d device tensor (zero-copy kernel).
+
+        `keys`/`values`: (B, H_kv, T, D) CUDA tensors, last dim contiguous; the store must be pinned. Fixed shapes and
+        no host synchronisation, on the current stream: the decode step captures this inside its CUDA graph.
+        """
+        batch, heads, num_tokens, head_dim = keys.shape
+        dev = keys.device
+        bs = self.block_size
+        ids = self._arange(num_tokens, dev)
+        pos = start + ids  # (T,)
+        bh = self._bh(batch, heads, dev)  # (B, H_kv, 1)
+        b, h = bh // heads, bh % heads
+        sources = [(src, (b * src.stride(0) + h * src.stride(1) + ids * src.stride(2))) for src in (keys, values)]
+        for seg in self.segments:
+            local = pos - seg.start_block * bs
+            inside = (local >= 0) & (local < seg.num_blocks * bs)
+            dst_off = ((bh * (seg.num_blocks * bs) + local) * head_dim).reshape(-1)
+            for (src, src_off), dst in zip(sources, (seg.keys[layer], seg.values[layer]), strict=True):
+                copy_rows(src, torch.where(inside, src_off, -1).reshape(-1), dst, dst_off, head_dim)
+
+    def _arange(self, n: int, device) -> torch.Tensor:
+        key = (n, device)
+        if key not in self._bh_cache:
+            self._bh_cache[key] = torch.arange(n, device=device)
+        return self._bh_cache[key]
 
     def _bh(self, batch: int, heads: int, device) -> torch.Tensor:
         key = (batch, heads, device)
@@ -188,7 +215,7 @@ class HostKVStore:
             inside = valid & (local >= 0) & (local < seg.num_blocks)
             src_off = torch.where(inside, (bh * seg.num_blocks + local) * row, -1).reshape(-1)
             for src, dst in ((seg.keys[layer], pool_k), (seg.values[layer], pool_v)):
-                if dst.is_cuda and src.is_pinned():
+                if dst.is_cuda and self.pin:
                     copy_rows(src, src_off, dst, dst_off, row)
                 elif dst.is_cuda:
                     raise RuntimeError(

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 _HANDLE_ATTR = "_oasis_layer"
 
+#: Decode / verification forwards of at most this many tokens are captured in CUDA graphs (one graph per ``T``).
+GRAPH_MAX_TOKENS = 16
+
 
 def layer_of(key: torch.Tensor) -> OasisLayer | None:
     """The `OasisLayer` whose ``update`` returned `key`, or None for any other tensor."""
@@ -54,9 +57,14 @@ class OasisLayer(CacheLayerMixin):
         self.config = cache.config
         self.length = 0
         self._pending: tuple[int, int] | None = None
+        self._deferred_write = False  # this forward's host write-back runs inside the decode step
         self.kv_start: torch.Tensor | None = None  # (B,) first real position (left padding)
         self.writeback_event = None
         self._ids: torch.Tensor | None = None  # (1, 1, NB_cap) arange, see _block_ids
+        self._aranges: dict[int, torch.Tensor] = {}
+        self._bh: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._graphs: dict[int, _StepGraph] = {}  # T -> captured decode step (CUDA)
+        self._warm: set[int] = set()  # T values whose step already ran eagerly on the capture stream
 
     # ------------------------------------------------------------------------------------------ HF layer API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -107,7 +115,11 @@ class OasisLayer(CacheLayerMixin):
                     f"the budget of {cfg.budget_blocks}; raise budget_tokens or feed fewer tokens per forward"
                 )
         self.cache._reserve(end)
-        self.cache._write_back(self, key_states, value_states, start)
+        # A forward that will run as a captured graph writes its rows to host inside the graph; anything else
+        # (prefill, CPU, eager steps) writes back here, on a side stream.
+        self._deferred_write = start > 0 and self._graphable(key_states)
+        if not self._deferred_write:
+            self.cache._write_back(self, key_states, value_states, start)
         self.length = end
         self._pending = (start, end)
         handle = key_states.view(key_states.shape)  # a distinct tensor object over the same memory
@@ -137,6 +149,7 @@ class OasisLayer(CacheLayerMixin):
         self.table.drop_from(-(-self.length // self.config.block_size))
 
     def reset(self) -> None:
+        self._graphs.clear()  # the next prefill sets a new kv_start tensor
         self.length = 0
         self._pending = None
         self.kv_start = None
@@ -150,6 +163,7 @@ class OasisLayer(CacheLayerMixin):
     def grow(self, capacity_blocks: int) -> None:
         """Address `capacity_blocks` logical blocks (called when the host store grows)."""
         if self.is_initialized:
+            self._graphs.clear()  # captured steps address the old tables and host segments
             self.table.grow(capacity_blocks)
             self.summaries.grow(capacity_blocks)
 
@@ -173,7 +187,7 @@ class OasisLayer(CacheLayerMixin):
         self._pending = None
         if start == 0:
             return self._prefill(query, key, value, attention_mask, scale, end)
-        return self._decode(query, key, value, scale, start, end)
+        return self._decode(query, key, value, scale, start)
 
     def _prefill(self, query, key, value, attention_mask, scale, end) -> torch.Tensor:
         cfg = self.config
@@ -185,8 +199,10 @@ class OasisLayer(CacheLayerMixin):
             self.batch_size, self.num_kv_heads, num_blocks, cfg.block_size, self.head_dim
         )
         blocks_v = torch.nn.functional.pad(value, (0, 0, 0, pad)).view_as(blocks_k)
-        self.summaries.write(0, blocks_k, self._token_ok(0, num_blocks, end))
-        scores = self._scores(query[:, :, -1:], scale, end - 1, end)  # initial selection: the last query
+        block_ids = torch.arange(num_blocks, device=self.device)
+        self.summaries.write(block_ids, blocks_k, self._token_ok(block_ids, end))
+        last = torch.full((), end - 1, dtype=torch.long, device=self.device)
+        scores = self._scores(query[:, :, -1:], scale, last)  # initial selection: the last query
         blocks, slots, valid = self.table.plan(scores, max_fetch=None)
         # The pool is empty, so every chosen block is a miss: copy them from the chunk, not from host.
         # `slots` is a permutation of the S slots, so scattering all S entries is safe; invalid ones stay unmapped.
@@ -197,52 +213,123 @@ class OasisLayer(CacheLayerMixin):
         self.cache.stats.record_prefill(self.layer_idx, valid)
         return out
 
-    def _decode(self, query, key, value, scale, start, end) -> torch.Tensor:
+    def _decode(self, query, key, value, scale, start) -> torch.Tensor:
+        self.cache.stats.decode_layer_steps += 1
+        if self.writeback_event is not None:  # host rows written on the side stream before any block is read back
+            torch.cuda.current_stream(self.device).wait_event(self.writeback_event)
+            self.writeback_event = None  # later work on this stream stays ordered after the wait
+        if self._deferred_write:
+            return self._run_graph(query, key, value, scale, start)
+        start_t = torch.full((), start, dtype=torch.long, device=self.device)
+        return self._decode_step(query, key, value, start_t, scale, write_back=False)
+
+    def _decode_step(self, query, key, value, start: torch.Tensor, scale: float, write_back: bool) -> torch.Tensor:
+        """The device work of one decode / verification forward; `start` is a 0-d long tensor (tokens before it).
+
+        Fixed shapes, no host synchronisation and no Python branch on data: every position-dependent quantity is
+        derived from `start` on the device, so this function can be captured once in a CUDA graph and replayed at
+        every later step of the same ``T``.
+        """
         cfg = self.config
         bs = cfg.block_size
-        old_blocks, new_blocks = -(-start // bs), -(-end // bs)
-        if new_blocks > old_blocks:
-            fresh = torch.arange(old_blocks, new_blocks, device=self.device).expand(
-                self.batch_size, self.num_kv_heads, -1
-            )
-            self.table.allocate(fresh, self._pinned_slots(new_blocks))
-        # New tokens into their (resident) blocks.
-        pos = torch.arange(start, end, device=self.device)
-        slot = self.table.block_slot[:, :, pos // bs]  # (B, H_kv, T)
-        b_idx = torch.arange(self.batch_size, device=self.device).view(-1, 1, 1)
-        h_idx = torch.arange(self.num_kv_heads, device=self.device).view(1, -1, 1)
+        batch, heads, num_tokens = self.batch_size, self.num_kv_heads, key.shape[2]
+        if write_back:  # new rows to the pinned host store (ordered before any fetch on this stream)
+            self.cache.host.write_at(self.layer_idx, key, value, start)
+        end = start + num_tokens
+        num_blocks = (end + bs - 1) // bs
+        first, last = start // bs, (end - 1) // bs
+        # Blocks the new tokens touch: `first .. last`, padded to a fixed count by repeating `last`.
+        candidates = first + self._arange(-(-(num_tokens - 1) // bs) + 1)
+        touched = torch.minimum(candidates, last)
+        touched_bh = touched.expand(batch, heads, -1)
+        fresh = (candidates <= last) & (self.table.block_slot.gather(-1, touched_bh) < 0)
+        self.table.allocate(touched_bh, self._pinned_slots(num_blocks), fresh)
+        # New tokens into their (now resident) blocks.
+        pos = start + self._arange(num_tokens)
+        slot = self.table.block_slot.gather(-1, (pos // bs).expand(batch, heads, -1))  # (B, H_kv, T)
+        b_idx, h_idx = self._bh_index()
         self.pool_k[b_idx, h_idx, slot, pos % bs] = key
         self.pool_v[b_idx, h_idx, slot, pos % bs] = value
-        # Summaries of the blocks the new tokens touched, recomputed from the pool.
-        first = start // bs
-        touched = self.table.block_slot[:, :, first:new_blocks]
-        self.summaries.write(first, self.pool_k[b_idx, h_idx, touched], self._token_ok(first, new_blocks, end))
-        # Selection, delta, fetch.
-        scores = self._scores(query, scale, start, end)
+        # Summaries of the touched blocks, recomputed from the pool.
+        touched_slot = self.table.block_slot.gather(-1, touched_bh)
+        self.summaries.write(touched, self.pool_k[b_idx, h_idx, touched_slot], self._token_ok(touched, end))
+        # Selection, delta, fetch, attention.
+        scores = self._scores(query, scale, start)
         blocks, slots, valid = self.table.plan(scores, cfg.max_fetch_blocks)
-        if self.writeback_event is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.writeback_event)  # host rows written
         self.cache.host.fetch(self.layer_idx, blocks, self.pool_k, self.pool_v, slots, valid, cfg.kernel_backend)
-        self.cache.stats.record_step(self.layer_idx, valid)
+        self.cache.stats.record_fetched(valid)
         attend = sparse_attention if use_triton(query, cfg.kernel_backend) else sparse_attention_ref
         return attend(query, self.pool_k, self.pool_v, self.table.slot_block, end, self.kv_start, scale)
 
+    # ------------------------------------------------------------------------------------------ CUDA graphs
+    def _graphable(self, states: torch.Tensor) -> bool:
+        """Whether a forward of `states` (B, H, T, D) runs as a captured CUDA graph."""
+        return (
+            states.is_cuda
+            and self.config.cuda_graphs
+            and self.cache.selector.capturable
+            and self.cache.host.pin
+            and states.shape[2] <= GRAPH_MAX_TOKENS
+            and not torch.cuda.is_current_stream_capturing()
+        )
+
+    def _run_graph(self, query, key, value, scale, start) -> torch.Tensor:
+        """Replay the captured step for this ``T``; the first step of a ``T`` runs eagerly (warm-up), the second
+        captures."""
+        num_tokens = query.shape[2]
+        graph = self._graphs.get(num_tokens)
+        if graph is None or graph.scale != scale:
+            stream = self.cache._capture_stream(self.device)
+            if num_tokens not in self._warm:
+                # Eager warm-up on the capture stream: compiles the Triton kernels and creates the library handles
+                # and workspaces that stream needs, so nothing is created during capture.
+                self._warm.add(num_tokens)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    start_t = torch.full((), start, dtype=torch.long, device=self.device)
+                    out = self._decode_step(query, key, value, start_t, scale, write_back=True)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                out.record_stream(torch.cuda.current_stream(self.device))
+                return out
+            graph = self._graphs[num_tokens] = _StepGraph(self, query, key, value, scale, stream)
+        self.cache.stats.graph_replays += 1
+        return graph.run(query, key, value, start)
+
     # ------------------------------------------------------------------------------------------ helpers
-    def _token_ok(self, first_block: int, end_block: int, end: int) -> torch.Tensor:
-        """(B, 1, n, BS) bool: token holds a real, written token."""
+    def _arange(self, n: int) -> torch.Tensor:
+        """(n,) long arange on the layer's device, memoised."""
+        ids = self._aranges.get(n)
+        if ids is None:
+            ids = self._aranges[n] = torch.arange(n, device=self.device)
+        return ids
+
+    def _bh_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, 1, 1) and (1, H_kv, 1) index tensors, memoised."""
+        if self._bh is None:
+            self._bh = (
+                torch.arange(self.batch_size, device=self.device).view(-1, 1, 1),
+                torch.arange(self.num_kv_heads, device=self.device).view(1, -1, 1),
+            )
+        return self._bh
+
+    def _token_ok(self, block_ids: torch.Tensor, end) -> torch.Tensor:
+        """(B, 1, n, BS) bool for blocks `block_ids` (n,): the token is real (not padding) and written (< end)."""
         bs = self.config.block_size
-        pos = torch.arange(first_block * bs, end_block * bs, device=self.device).view(1, 1, -1, bs)
+        pos = (block_ids[:, None] * bs + self._arange(bs)).view(1, 1, -1, bs)
         return (pos < end) & (pos >= self.kv_start.view(-1, 1, 1, 1))
 
-    def _scores(self, query: torch.Tensor, scale: float, start: int, end: int) -> torch.Tensor:
-        """(B, H_kv, NB_cap) scores with the shared rules: forced blocks +inf, non-blocks -inf."""
+    def _scores(self, query: torch.Tensor, scale: float, start: torch.Tensor) -> torch.Tensor:
+        """(B, H_kv, NB_cap) scores with the shared rules: forced blocks +inf, non-blocks -inf.
+
+        `query`: (B, H_q, T, D) at positions ``start .. start + T - 1`` (`start`: 0-d long tensor).
+        """
         cfg = self.config
-        num_blocks = -(-end // cfg.block_size)
+        num_blocks = (start + query.shape[2] + cfg.block_size - 1) // cfg.block_size
         ids = self._block_ids()
         first = (self.kv_start // cfg.block_size).view(-1, 1, 1)
         block_ok = (ids >= first) & (ids < num_blocks)
         raw = self.cache.selector.score(self, query, scale, block_ok)
-        recent_from = min(num_blocks - cfg.recent_blocks, start // cfg.block_size)
+        recent_from = torch.minimum(num_blocks - cfg.recent_blocks, start // cfg.block_size)
         forced = block_ok & ((ids < first + cfg.sink_blocks) | (ids >= recent_from))
         return torch.where(forced, INF, torch.where(block_ok, raw.float(), -INF))
 
@@ -253,7 +340,7 @@ class OasisLayer(CacheLayerMixin):
             self._ids = torch.arange(cap, device=self.device).view(1, 1, -1)
         return self._ids
 
-    def _pinned_slots(self, num_blocks: int) -> torch.Tensor:
+    def _pinned_slots(self, num_blocks) -> torch.Tensor:
         """(B, H_kv, S) bool: slots whose block is a sink or in the recent window for `num_blocks` blocks."""
         cfg = self.config
         resident = self.table.slot_block[..., : cfg.budget_blocks]
@@ -298,3 +385,39 @@ def _kv_start(attention_mask, batch: int, length: int, device) -> torch.Tensor:
             "tokenizer.padding_side = 'left'"
         )
     return first.long()
+
+
+class _StepGraph:
+    """`OasisLayer._decode_step` for one ``T``, captured in a CUDA graph with static inputs.
+
+    Replaying costs a handful of launches (input copies, the start position, the replay, the output copy) instead of
+    the ~190 kernels of the step, which is what makes a 32-layer decode step launch-bound otherwise. Everything the
+    step reads or writes in place (pool, table, summaries, host store, counters) is a persistent tensor of the
+    layer; the graph is dropped whenever one of them is reallocated (`OasisLayer.grow`, `OasisLayer.reset`).
+    """
+
+    def __init__(self, layer: OasisLayer, query, key, value, scale: float, stream: torch.cuda.Stream) -> None:
+        device = self.device = layer.device
+        self.scale = scale
+        self.query = torch.empty_like(query, memory_format=torch.contiguous_format)
+        self.key = torch.empty_like(key, memory_format=torch.contiguous_format)
+        self.value = torch.empty_like(value, memory_format=torch.contiguous_format)
+        self.start = torch.zeros((), dtype=torch.long, device=device)
+        self.graph = torch.cuda.CUDAGraph()
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            self.graph.capture_begin(pool=layer.cache._graph_pool(device))
+            try:
+                self.out = layer._decode_step(self.query, self.key, self.value, self.start, scale, write_back=True)
+            finally:
+                self.graph.capture_end()
+        torch.cuda.current_stream(device).wait_stream(stream)
+
+    def run(self, query, key, value, start: int) -> torch.Tensor:
+        """Replay on the current stream: (B, H_q, T, D) query -> (B, T, H_q, D), a fresh tensor."""
+        self.query.copy_(query)
+        self.key.copy_(key)
+        self.value.copy_(value)
+        self.start.fill_(start)  # a fill kernel with the value as argument: no host buffer to race with
+        self.graph.replay()
+        return self.out.clone()

@@ -72,12 +72,15 @@ class OasisCache(Cache):
         self.host: HostKVStore | None = None
         self.stats = OasisStats()
         self._writeback_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._capture_streams: dict[torch.device, torch.cuda.Stream] = {}
         super().__init__(layers=layers)
+        self._oasis_layers = [layer for layer in layers if isinstance(layer, OasisLayer)]
 
     # ------------------------------------------------------------------------------------------------ layers
     @property
     def oasis_layers(self) -> list[OasisLayer]:
-        return [layer for layer in self.layers if isinstance(layer, OasisLayer)]
+        """The managed (full-attention) layers, in model order."""
+        return self._oasis_layers
 
     @property
     def host_capacity_blocks(self) -> int:
@@ -85,8 +88,8 @@ class OasisCache(Cache):
 
     def _reserve(self, num_tokens: int) -> None:
         """Make the host store (all layers at once) and the block maps hold `num_tokens` tokens per sequence."""
-        first = next(layer for layer in self.oasis_layers if layer.is_initialized)
         if self.host is None:
+            first = next(layer for layer in self.oasis_layers if layer.is_initialized)
             cfg = self.config
             pin = cfg.pin_host_memory if cfg.pin_host_memory is not None else torch.cuda.is_available()
             self.host = HostKVStore(
@@ -97,6 +100,24 @@ class OasisCache(Cache):
         if self.host.ensure_capacity(num_tokens, reserve_tokens=self.config.host_capacity_tokens or 0):
             for layer in self.oasis_layers:
                 layer.grow(self.host.capacity_blocks)
+
+    def _capture_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The side stream the decode-step graphs of `device` are warmed up and captured on."""
+        if device not in self._capture_streams:
+            self._capture_streams[device] = torch.cuda.Stream(device)
+        return self._capture_streams[device]
+
+    def _graph_pool(self, device: torch.device):
+        """The private memory pool the layers' graphs on `device` share (they replay one after another).
+
+        Taken from a live graph: once every graph of a pool is gone (after `grow` or `reset`) the allocator retires
+        the pool, so a new one is started then.
+        """
+        for layer in self._oasis_layers:
+            for graph in layer._graphs.values():
+                if graph.device == device:
+                    return graph.graph.pool()
+        return torch.cuda.graph_pool_handle()
 
     def _write_back(self, layer: OasisLayer, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         host = self.host

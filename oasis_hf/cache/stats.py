@@ -9,29 +9,42 @@ import torch
 
 @dataclass
 class OasisStats:
-    """Totals over the life of a cache. `summary()` synchronises once and returns plain numbers."""
+    """Totals over the life of a cache. `summary()` synchronises once and returns plain numbers.
+
+    The block counters are device tensors updated in place, so the updates can sit inside a captured CUDA graph;
+    the Python counters are bumped by the caller outside any graph.
+    """
 
     prefill_layers: int = 0
     decode_layer_steps: int = 0
-    _fetched: torch.Tensor | None = field(default=None, repr=False)
-    _prefilled: torch.Tensor | None = field(default=None, repr=False)
+    graph_replays: int = 0
+    _counts: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)  # [prefilled, fetched]
+
+    def counters(self, device: torch.device) -> torch.Tensor:
+        """The (2,) int64 counter tensor on `device`, created on first use (call it outside graph capture)."""
+        device = torch.device(device)
+        if device not in self._counts:
+            self._counts[device] = torch.zeros(2, dtype=torch.int64, device=device)
+        return self._counts[device]
 
     def record_prefill(self, layer_idx: int, valid: torch.Tensor) -> None:
         self.prefill_layers += 1
-        count = valid.sum()
-        self._prefilled = count if self._prefilled is None else self._prefilled + count
+        self.counters(valid.device)[0].add_(valid.sum())
 
-    def record_step(self, layer_idx: int, valid: torch.Tensor) -> None:
-        self.decode_layer_steps += 1
-        count = valid.sum()
-        self._fetched = count if self._fetched is None else self._fetched + count
+    def record_fetched(self, valid: torch.Tensor) -> None:
+        """Add the blocks fetched this step (in place; safe inside graph capture once `counters` exists)."""
+        self.counters(valid.device)[1].add_(valid.sum())
 
     def summary(self) -> dict[str, float]:
-        fetched = int(self._fetched) if self._fetched is not None else 0
+        totals = [0, 0]
+        for counts in self._counts.values():
+            for i, value in enumerate(counts.tolist()):
+                totals[i] += value
         return {
             "prefill_layers": self.prefill_layers,
             "decode_layer_steps": self.decode_layer_steps,
-            "initial_blocks": int(self._prefilled) if self._prefilled is not None else 0,
-            "fetched_blocks": fetched,
-            "fetched_blocks_per_layer_step": fetched / max(1, self.decode_layer_steps),
+            "graph_replays": self.graph_replays,
+            "initial_blocks": totals[0],
+            "fetched_blocks": totals[1],
+            "fetched_blocks_per_layer_step": totals[1] / max(1, self.decode_layer_steps),
         }

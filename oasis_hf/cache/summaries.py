@@ -36,24 +36,25 @@ class BlockSummaries:
         grown[:, :, :, : self.capacity_blocks] = self.data
         self.data = grown
 
-    def write(self, first_block: int, blocks_k: torch.Tensor, token_ok: torch.Tensor) -> None:
-        """Summarise ``n`` consecutive blocks starting at `first_block`.
+    def write(self, block_ids: torch.Tensor, blocks_k: torch.Tensor, token_ok: torch.Tensor) -> None:
+        """Summarise ``n`` blocks.
 
+        block_ids : (n,) long, logical block of each entry (repeats allowed when they carry the same keys);
         blocks_k : (B, H_kv, n, BS, D) keys; token_ok : (B, 1, n, BS) bool, False for padding / unwritten tokens.
+        Fixed shapes and no host synchronisation: the decode step captures this in a CUDA graph.
         """
         ok = token_ok[..., None]
         if self.kind == "mean":
             total = torch.where(ok, blocks_k.float(), 0.0).sum(3)
             count = ok.sum(3).clamp(min=1)
-            self.data[0, :, :, first_block : first_block + blocks_k.shape[2]] = (total / count).to(self.data.dtype)
+            self.data[0].index_copy_(2, block_ids, (total / count).to(self.data.dtype))
         else:
             k = blocks_k.float()
             any_ok = ok.any(3)
             low = torch.where(ok, k, float("inf")).amin(3)
             high = torch.where(ok, k, float("-inf")).amax(3)
-            span = slice(first_block, first_block + blocks_k.shape[2])
-            self.data[0, :, :, span] = torch.where(any_ok, low, 0.0).to(self.data.dtype)
-            self.data[1, :, :, span] = torch.where(any_ok, high, 0.0).to(self.data.dtype)
+            self.data[0].index_copy_(2, block_ids, torch.where(any_ok, low, 0.0).to(self.data.dtype))
+            self.data[1].index_copy_(2, block_ids, torch.where(any_ok, high, 0.0).to(self.data.dtype))
 
     def score(self, query: torch.Tensor, scale: float, block_ok: torch.Tensor) -> torch.Tensor:
         """Importance of every block for `query`: (B, H_kv, NB_cap) float32.

@@ -14,7 +14,7 @@ def sparse_attention_ref(
     pool_k: torch.Tensor,
     pool_v: torch.Tensor,
     slot_block: torch.Tensor,
-    seq_len: int,
+    seq_len: int | torch.Tensor,
     kv_start: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
@@ -29,7 +29,7 @@ def sparse_attention_ref(
         positions ``block * BS .. block * BS + BS - 1``.
     slot_block : (B, H_kv, S) integer
         Logical block id per slot; negative means empty.
-    seq_len : int
+    seq_len : int or 0-d integer tensor
         Tokens in the sequence (shared by the batch: left padding keeps positions aligned).
     kv_start : (B,) integer
         First real position of each sequence; earlier positions are left padding and never attended.

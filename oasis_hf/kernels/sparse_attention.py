@@ -45,7 +45,7 @@ if triton is not None:
         O_PART,
         M_PART,
         L_PART,
-        seq_len,
+        SEQ_LEN,
         scale,
         num_slots,
         slots_per_split,
@@ -88,6 +88,7 @@ if triton is not None:
         q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         if DOT_FP32:
             q = q.to(tl.float32)
+        seq_len = tl.load(SEQ_LEN)  # from device memory, so a captured CUDA graph replays at any length
         q_pos = seq_len - NUM_TOKENS + t  # (BLOCK_M,)
         kv_start = tl.load(KV_START + b)
 
@@ -150,7 +151,7 @@ def sparse_attention(
     pool_k: torch.Tensor,
     pool_v: torch.Tensor,
     slot_block: torch.Tensor,
-    seq_len: int,
+    seq_len: int | torch.Tensor,
     kv_start: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
@@ -164,8 +165,9 @@ def sparse_attention(
         Resident blocks, last dim contiguous; slot ``s`` of (b, h) holds logical block ``slot_block[b, h, s]``.
     slot_block : (B, H_kv, S') integer with S' >= S
         Logical block id per slot (negative: empty); columns past ``S`` are ignored.
-    seq_len : int
-        Tokens in the sequence after this forward (positions are shared across the batch).
+    seq_len : int or 0-d integer tensor on the query's device
+        Tokens in the sequence after this forward (positions are shared across the batch). The kernel reads a
+        tensor from device memory, so a CUDA graph captured around this call stays valid as the sequence grows.
     kv_start : (B,) integer
         First real (non-padding) position of each sequence.
     scale : float
@@ -200,6 +202,10 @@ def sparse_attention(
     m_part = torch.empty(batch * num_kv_heads * num_splits * block_m, device=dev, dtype=torch.float32)
     l_part = torch.empty_like(m_part)
     kv_start = kv_start.to(device=dev, dtype=torch.int64)
+    if isinstance(seq_len, torch.Tensor):
+        seq_len = seq_len.to(device=dev, dtype=torch.int64)
+    else:
+        seq_len = torch.full((), seq_len, dtype=torch.int64, device=dev)  # a fill kernel, no host copy
     grid = (batch * num_kv_heads, num_splits)
     _sparse_attention_kernel[grid](
         query, pool_k, pool_v, slot_block, kv_start, o_part, m_part, l_part,

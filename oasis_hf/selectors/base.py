@@ -21,6 +21,9 @@ class BlockSelector(ABC):
     """
 
     name: ClassVar[str]
+    #: The score is fixed-shape device work with no host synchronisation, so the decode step that calls it can be
+    #: captured in a CUDA graph. Set False for selectors that read host memory or branch on data.
+    capturable: ClassVar[bool] = True
 
     @abstractmethod
     def score(self, layer: OasisLayer, query: torch.Tensor, scale: float, block_ok: torch.Tensor) -> torch.Tensor:
