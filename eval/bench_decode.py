@@ -77,6 +77,8 @@ def run_method(model, name: str, make_cache, input_ids, warmup: int, repeats: in
             torch.cuda.synchronize()
         slug = "".join(c if c.isalnum() else "_" for c in name)
         text = prof.key_averages().table(sort_by="cpu_time_total", row_limit=30)
+        text += "\n\nBy GPU time (kernels inside CUDA graphs may not be attributed):\n"
+        text += prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
         launches = sum(evt.count for evt in prof.key_averages() if evt.key in ("cudaLaunchKernel", "cuLaunchKernel",
                                                                                  "cuLaunchKernelEx"))
         (profile_dir / f"profile_{slug}.txt").write_text(f"kernel launches per step: {launches / 3:.0f}\n{text}")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from oasis_hf.kernels import score_blocks, score_blocks_ref, use_triton
+
 
 class BlockSummaries:
     """Per-block key summaries of one layer: (B, H_kv, NB_cap, D) (``mean``) or two of them (``minmax``)."""
@@ -56,21 +58,22 @@ class BlockSummaries:
             self.data[0].index_copy_(2, block_ids, torch.where(any_ok, low, 0.0).to(self.data.dtype))
             self.data[1].index_copy_(2, block_ids, torch.where(any_ok, high, 0.0).to(self.data.dtype))
 
-    def score(self, query: torch.Tensor, scale: float, block_ok: torch.Tensor) -> torch.Tensor:
+    def score(self, query: torch.Tensor, scale: float, block_ok: torch.Tensor, backend: str = "auto") -> torch.Tensor:
         """Importance of every block for `query`: (B, H_kv, NB_cap) float32.
 
         query : (B, H_q, T, D). Each query row's block logits (mean key: the mean logit of the block; minmax: Quest's
         upper bound) go through a softmax over the valid blocks (`block_ok`: (B, 1, NB_cap) bool), then the rows of a
-        GQA group and of all ``T`` tokens are summed, so the group shares one selection.
+        GQA group and of all ``T`` tokens are summed, so the group shares one selection. The mean-key path is one
+        Triton launch on the GPU (`score_blocks`), its twin elsewhere.
         """
+        ok = block_ok[:, 0]
+        if self.kind == "mean":
+            fn = score_blocks if use_triton(query, backend) else score_blocks_ref
+            return fn(query.contiguous(), self.data[0], ok, scale)
         batch, num_q_heads, num_tokens, head_dim = query.shape
         num_kv_heads = self.data.shape[2]
         q = query.float().reshape(batch, num_kv_heads, -1, head_dim)  # (B, H_kv, G*T, D)
-        if self.kind == "mean":
-            logits = torch.einsum("bhmd,bhnd->bhmn", q, self.data[0].float())
-        else:
-            low, high = self.data[0].float(), self.data[1].float()
-            logits = torch.maximum(q[..., None, :] * low[:, :, None], q[..., None, :] * high[:, :, None]).sum(-1)
-        logits = logits * scale
-        logits = logits.masked_fill(~block_ok[:, :, None, :], float("-inf"))
+        low, high = self.data[0].float(), self.data[1].float()
+        logits = torch.maximum(q[..., None, :] * low[:, :, None], q[..., None, :] * high[:, :, None]).sum(-1) * scale
+        logits = logits.masked_fill(~ok[:, None, None, :], float("-inf"))
         return torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2)

@@ -63,7 +63,8 @@ def use_triton(tensor: torch.Tensor, backend: str) -> bool:
 
 
 from oasis_hf.kernels.copy_rows import copy_rows  # noqa: E402
-from oasis_hf.kernels.ref import copy_rows_ref, sparse_attention_ref  # noqa: E402
+from oasis_hf.kernels.ref import copy_rows_ref, score_blocks_ref, sparse_attention_ref  # noqa: E402
+from oasis_hf.kernels.score_blocks import score_blocks  # noqa: E402
 from oasis_hf.kernels.sparse_attention import sparse_attention  # noqa: E402
 
 __all__ = [
@@ -71,6 +72,8 @@ __all__ = [
     "TRITON_AVAILABLE",
     "copy_rows",
     "copy_rows_ref",
+    "score_blocks",
+    "score_blocks_ref",
     "sparse_attention",
     "sparse_attention_ref",
     "use_triton",

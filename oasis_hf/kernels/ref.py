@@ -68,6 +68,32 @@ def sparse_attention_ref(
     return out.to(query.dtype)
 
 
+def score_blocks_ref(
+    query: torch.Tensor,
+    summary: torch.Tensor,
+    block_ok: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Softmax-over-blocks attention share of every block (twin of `score_blocks`).
+
+    Parameters
+    ----------
+    query : (B, H_q, T, D) queries. summary : (B, H_kv, NB, D) one summary key per block. block_ok : (B, NB) bool,
+    the blocks the softmax runs over. scale : softmax scale.
+
+    Returns
+    -------
+    (B, H_kv, NB) float32: ``softmax_n(q_r . s_n * scale)`` per query row over the allowed blocks, summed over the
+    ``G * T`` rows of each KV head's group; 0 outside `block_ok`.
+    """
+    batch, _, _, head_dim = query.shape
+    num_kv_heads = summary.shape[1]
+    q = query.float().reshape(batch, num_kv_heads, -1, head_dim)  # (B, H_kv, G*T, D)
+    logits = torch.einsum("bhmd,bhnd->bhmn", q, summary.float()) * scale
+    logits = logits.masked_fill(~block_ok[:, None, None, :], float("-inf"))
+    return torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2)
+
+
 def copy_rows_ref(
     src: torch.Tensor,
     src_offsets: torch.Tensor,

@@ -15,4 +15,4 @@ class CurrentQuerySelector(BlockSelector):
     name = "current-query"
 
     def score(self, layer, query: torch.Tensor, scale: float, block_ok: torch.Tensor) -> torch.Tensor:
-        return layer.summaries.score(query, scale, block_ok)
+        return layer.summaries.score(query, scale, block_ok, layer.config.kernel_backend)
