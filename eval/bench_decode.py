@@ -122,7 +122,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
     parser.add_argument("--out", type=Path, default=None, help="results path without suffix (.md and .json written)")
-    parser.add_argument("--profile", type=Path, default=None, help="folder for a torch.profiler table per method")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="folder for a torch.profiler table per method. CUPTI stays attached after the first "
+                             "profile and slows every later launch (graph replays ~9x), so time in a run without it")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -170,6 +172,9 @@ def main() -> None:
               f"{preset['shape']['num_hidden_layers']}L/{preset['shape']['num_key_value_heads']}kv, "
               f"{dtype}, batch {preset['batch']}, context {preset['context']}, budget {preset['budget']}; "
               f"`{env['command']}`\n\n")
+    if args.profile is not None:
+        header += ("**Profiled run: every timing after the first method is inflated by the attached profiler; use "
+                   "a run without `--profile` for speed.**\n\n")
     table = header + markdown_table(rows, columns)
     print(table)
     if args.out is not None:
