@@ -71,16 +71,19 @@ def run_method(model, name: str, make_cache, input_ids, warmup: int, repeats: in
     if profile_dir is not None:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
             for _ in range(3):
                 step()
-            torch.cuda.synchronize()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
         slug = "".join(c if c.isalnum() else "_" for c in name)
         text = prof.key_averages().table(sort_by="cpu_time_total", row_limit=30)
         text += "\n\nBy GPU time (kernels inside CUDA graphs may not be attributed):\n"
         text += prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
         launches = sum(evt.count for evt in prof.key_averages() if evt.key in ("cudaLaunchKernel", "cuLaunchKernel",
                                                                                  "cuLaunchKernelEx"))
+        profile_dir.mkdir(parents=True, exist_ok=True)
         (profile_dir / f"profile_{slug}.txt").write_text(f"kernel launches per step: {launches / 3:.0f}\n{text}")
     batch = input_ids.shape[0]
     row = {"method": name, "ms/step (median)": median(times), "ms/step (p90)": percentile(times, 0.9),
