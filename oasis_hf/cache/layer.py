@@ -233,8 +233,15 @@ class OasisLayer(CacheLayerMixin):
         cfg = self.config
         bs = cfg.block_size
         batch, heads, num_tokens = self.batch_size, self.num_kv_heads, key.shape[2]
-        if write_back:  # new rows to the pinned host store (ordered before any fetch on this stream)
-            self.cache.host.write_at(self.layer_idx, key, value, start)
+        if write_back:
+            # New rows to the pinned host store on the write-back stream, forked here and joined at the end of the
+            # step (inside a graph this is a parallel branch). No fetch of this step can read them: the blocks they
+            # land in are the recent ones, always resident.
+            compute = torch.cuda.current_stream(self.device)
+            side = self.cache._writeback_stream(self.device)
+            side.wait_stream(compute)
+            with torch.cuda.stream(side):
+                self.cache.host.write_at(self.layer_idx, key, value, start)
         end = start + num_tokens
         num_blocks = (end + bs - 1) // bs
         first, last = start // bs, (end - 1) // bs
@@ -259,7 +266,10 @@ class OasisLayer(CacheLayerMixin):
         self.cache.host.fetch(self.layer_idx, blocks, self.pool_k, self.pool_v, slots, valid, cfg.kernel_backend)
         self.cache.stats.record_fetched(valid)
         attend = sparse_attention if use_triton(query, cfg.kernel_backend) else sparse_attention_ref
-        return attend(query, self.pool_k, self.pool_v, self.table.slot_block, end, self.kv_start, scale)
+        out = attend(query, self.pool_k, self.pool_v, self.table.slot_block, end, self.kv_start, scale)
+        if write_back:
+            compute.wait_stream(side)  # join: later steps (and their fetches) are ordered after the write-back
+        return out
 
     # ------------------------------------------------------------------------------------------ CUDA graphs
     def _graphable(self, states: torch.Tensor) -> bool:

@@ -101,6 +101,12 @@ class OasisCache(Cache):
             for layer in self.oasis_layers:
                 layer.grow(self.host.capacity_blocks)
 
+    def _writeback_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The side stream device-to-host write-back runs on (eagerly, and as a forked branch inside graphs)."""
+        if device not in self._writeback_streams:
+            self._writeback_streams[device] = torch.cuda.Stream(device)
+        return self._writeback_streams[device]
+
     def _capture_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The side stream the decode-step graphs of `device` are warmed up and captured on."""
         if device not in self._capture_streams:
@@ -133,9 +139,7 @@ class OasisCache(Cache):
             host.write(layer.layer_idx, keys, values, start)
             return
         device = keys.device
-        stream = self._writeback_streams.get(device)
-        if stream is None:
-            stream = self._writeback_streams[device] = torch.cuda.Stream(device)
+        stream = self._writeback_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))  # K/V of this step exist before we read them
         with torch.cuda.stream(stream):
             host.write(layer.layer_idx, keys, values, start)
