@@ -8,6 +8,7 @@ from oasis_hf.cache.oasis_cache import OasisCache
 from oasis_hf.config import OasisConfig
 from oasis_hf.errors import DeviceMemoryError, HostMemoryError, OasisError, UnsupportedError
 from oasis_hf.integrations.attention import ATTENTION_NAME, enable, oasis_attention, register
+from oasis_hf.speculative import SpeculativeOutput, SpeculativeStats, speculative_generate
 
 __version__ = "0.1.0"
 
@@ -18,8 +19,11 @@ __all__ = [
     "OasisCache",
     "OasisConfig",
     "OasisError",
+    "SpeculativeOutput",
+    "SpeculativeStats",
     "UnsupportedError",
     "enable",
     "oasis_attention",
     "register",
+    "speculative_generate",
 ]

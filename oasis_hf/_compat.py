@@ -30,3 +30,19 @@ def layer_types(config) -> list[str]:
 
 def sliding_window_layer(window: int) -> DynamicSlidingWindowLayer:
     return DynamicSlidingWindowLayer(sliding_window=window)
+
+
+def cache_kwarg(model) -> str:
+    """The keyword a model's ``forward`` takes its cache by: ``cache`` (transformers >= 5.2x) or ``past_key_values``."""
+    import inspect
+
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def crop_to(cache, keep: int) -> None:
+    """Shorten `cache` to `keep` tokens. A negative count removes tokens in 5.17 and 5.18+ alike (a positive one
+    means "keep" in 5.17 and raises in 5.18+), and ``crop(0)`` empties a 5.17 cache, so it is never called."""
+    remove = cache.get_seq_length() - keep
+    if remove > 0:
+        cache.crop(-remove)

@@ -1,0 +1,200 @@
+"""Batched speculative decoding (draft, verify, accept per sequence) for batch sizes transformers refuses.
+
+transformers' assisted generation runs batch 1 only. `speculative_generate` drafts ``k`` tokens for every sequence
+with a small draft model, verifies them with one target forward of ``k + 1`` tokens (with an `OasisCache` these
+are the queries the lookahead prefetcher scores blocks with), and accepts per sequence:
+
+- greedy: a draft token is accepted while it equals the target's argmax;
+- sampling: speculative sampling (Leviathan et al. 2023, Chen et al. 2023): accept ``d`` with probability
+  ``min(1, p(d) / q(d))``, otherwise sample from ``norm(max(0, p - q))``; an accepted token is an exact sample
+  of ``p``.
+
+The caches hold one length for the whole batch (left padding keeps positions aligned), so each round every
+sequence keeps ``n = min_b(accepted_b)`` drafts plus one more token: its own accepted draft ``n + 1`` where it
+accepted more (an exact target sample / the target's argmax), otherwise the target's correction. The output is
+therefore the target's own greedy output with greedy decoding, and a sample of the target's distribution with
+sampling; sequences that accepted more lose only speed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from oasis_hf import _compat
+from oasis_hf.errors import UnsupportedError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpeculativeStats:
+    """What one `speculative_generate` call did."""
+
+    rounds: int = 0
+    drafted: int = 0  # draft tokens proposed, per sequence, summed over rounds
+    accepted: int = 0  # draft tokens kept (the batch minimum), summed over rounds
+    accepted_per_sequence: list[int] = field(default_factory=list)  # before taking the batch minimum
+    new_tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def acceptance(self) -> float:
+        """Fraction of proposed draft tokens kept."""
+        return self.accepted / max(1, self.drafted)
+
+
+@dataclass
+class SpeculativeOutput:
+    sequences: torch.Tensor  # (B, prompt + new) token ids, left padding kept, `pad_token_id` after EOS
+    stats: SpeculativeStats
+
+
+def _forward(model, ids, mask, cache, kwarg: str) -> torch.Tensor:
+    """Logits (B, T, V) of `ids` (B, T) appended to `cache`; positions from the 2-D `mask` (B, L) as in generate."""
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{kwarg: cache})
+    return out.logits.float()
+
+
+def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(logits / temperature, dim=-1)
+
+
+@torch.inference_mode()
+def speculative_generate(
+    model,
+    draft_model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    cache=None,
+    draft_cache=None,
+    max_new_tokens: int = 128,
+    num_draft_tokens: int = 4,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> SpeculativeOutput:
+    """Generate with a draft model for any batch size; greedy output equals the target's own greedy output.
+
+    Parameters
+    ----------
+    model, draft_model : causal LMs sharing one tokenizer (same vocabulary ids), on one device.
+    input_ids : (B, P) prompt ids, left padded. attention_mask : (B, P), 1 for real tokens (None: all real).
+    cache : the target's cache, empty (e.g. a fresh `OasisCache`; None: `DynamicCache`).
+    draft_cache : the draft's cache, empty (None: `DynamicCache`).
+    max_new_tokens : tokens to add per sequence. num_draft_tokens : ``k`` drafts per round (>= 1).
+    do_sample, temperature : greedy, or speculative sampling at this temperature.
+    eos_token_id, pad_token_id : a sequence stops at EOS; later positions hold `pad_token_id`.
+    generator : random generator for sampling (on the model's device).
+
+    Returns
+    -------
+    `SpeculativeOutput` with ``sequences`` (B, P + max_new_tokens at most) and `SpeculativeStats`.
+    """
+    if num_draft_tokens < 1 or max_new_tokens < 1:
+        raise ValueError(
+            f"num_draft_tokens={num_draft_tokens} and max_new_tokens={max_new_tokens} must both be >= 1"
+        )
+    if do_sample and temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0 with do_sample=True (use do_sample=False for greedy)")
+    vocab = min(model.get_output_embeddings().weight.shape[0], draft_model.get_output_embeddings().weight.shape[0])
+    if cache is not None and cache.get_seq_length() != 0:
+        raise UnsupportedError("speculative_generate needs an empty target cache; pass a fresh OasisCache")
+    device = input_ids.device
+    batch = input_ids.shape[0]
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
+    cache = cache if cache is not None else DynamicCache(config=model.config)
+    draft_cache = draft_cache if draft_cache is not None else DynamicCache(config=draft_model.config)
+    kw_target, kw_draft = _compat.cache_kwarg(model), _compat.cache_kwarg(draft_model)
+    eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=device).long().flatten()
+    pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
+    stats = SpeculativeStats(accepted_per_sequence=[0] * batch)
+    t0 = time.perf_counter()
+
+    def choose(probs_or_logits: torch.Tensor) -> torch.Tensor:  # (B, V) -> (B,)
+        if do_sample:
+            return torch.multinomial(probs_or_logits, 1, generator=generator).squeeze(-1)
+        return probs_or_logits.argmax(-1)
+
+    # Prefill both models on the prompt; the target's last logits give the first new token.
+    logits = _forward(model, input_ids, mask, cache, kw_target)[:, -1, :vocab]
+    if input_ids.shape[1] > 1:
+        _forward(draft_model, input_ids[:, :-1], mask[:, :-1], draft_cache, kw_draft)
+    last = choose(_probs(logits, temperature) if do_sample else logits)  # (B,) first new token, not in any cache
+    seq = torch.cat([input_ids, last[:, None]], dim=1)
+    mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+    finished = torch.isin(last, eos)
+    produced = 1
+
+    while produced < max_new_tokens and not bool(finished.all()):
+        k = min(num_draft_tokens, max_new_tokens - produced)
+        # Draft k tokens: first feed what the draft cache lacks (the tokens after its length).
+        pending = seq[:, draft_cache.get_seq_length() :]
+        drafts, draft_probs = [], []
+        step_ids, step_mask = pending, mask[:, : seq.shape[1]]
+        for _ in range(k):
+            d_logits = _forward(draft_model, step_ids, step_mask, draft_cache, kw_draft)[:, -1, :vocab]
+            q = _probs(d_logits, temperature) if do_sample else d_logits
+            token = choose(q)
+            drafts.append(token)
+            draft_probs.append(q)
+            step_ids = token[:, None]
+            step_mask = torch.cat([step_mask, step_mask.new_ones(batch, 1)], dim=1)
+        draft_ids = torch.stack(drafts, dim=1)  # (B, k)
+        # Verify: one target forward over [last, d_1 .. d_k].
+        verify_ids = torch.cat([last[:, None], draft_ids], dim=1)
+        verify_mask = torch.cat([mask, mask.new_ones(batch, k)], dim=1)
+        t_logits = _forward(model, verify_ids, verify_mask, cache, kw_target)[:, :, :vocab]  # (B, k+1, V)
+        if do_sample:
+            p = _probs(t_logits, temperature)
+            q = torch.stack(draft_probs, dim=1)  # (B, k, V)
+            p_d = p[:, :k].gather(-1, draft_ids[..., None]).squeeze(-1)
+            q_d = q.gather(-1, draft_ids[..., None]).squeeze(-1)
+            u = torch.rand(p_d.shape, device=device, generator=generator)
+            ok = u <= (p_d / q_d.clamp_min(1e-20)).clamp(max=1.0)
+        else:
+            ok = draft_ids == t_logits[:, :k].argmax(-1)
+        accepted = ok.long().cumprod(dim=1).sum(dim=1)  # (B,) leading accepted drafts
+        accepted = torch.where(finished, k, accepted)  # finished sequences never hold the batch back
+        n = int(accepted.min())
+        for b, a in enumerate(accepted.tolist()):
+            stats.accepted_per_sequence[b] += a
+        # Token n + 1: the sequence's own accepted draft where it accepted more, else the target's correction.
+        if do_sample:
+            residual = p[:, n] - (q[:, n] if n < k else 0.0)
+            residual = residual.clamp(min=0)
+            residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:, n])
+            fix = torch.multinomial(residual / residual.sum(-1, keepdim=True), 1, generator=generator).squeeze(-1)
+        else:
+            fix = t_logits[:, n].argmax(-1)
+        nxt = draft_ids[:, n] if n < k else fix
+        nxt = torch.where(accepted > n, nxt, fix)
+        new = torch.cat([draft_ids[:, :n], nxt[:, None]], dim=1)  # (B, n + 1)
+        # EOS: everything after a sequence's first EOS becomes padding.
+        is_eos = torch.isin(new, eos) & ~finished[:, None]
+        after = (is_eos.long().cumsum(1) - is_eos.long()) > 0
+        new = torch.where(finished[:, None] | after, pad, new)
+        finished = finished | is_eos.any(1)
+        # Keep [last, d_1 .. d_n] in the target cache; the draft cache keeps at most as much.
+        keep = seq.shape[1] + n
+        _compat.crop_to(cache, keep)
+        _compat.crop_to(draft_cache, keep)
+        seq = torch.cat([seq, new], dim=1)
+        mask = torch.cat([mask, mask.new_ones(batch, n + 1)], dim=1)
+        last = new[:, -1]
+        produced += n + 1
+        stats.rounds += 1
+        stats.drafted += k
+        stats.accepted += n
+    stats.new_tokens = produced
+    stats.seconds = time.perf_counter() - t0
+    total = input_ids.shape[1] + max_new_tokens
+    return SpeculativeOutput(sequences=seq[:, :total], stats=stats)
