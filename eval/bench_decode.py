@@ -28,13 +28,22 @@ LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256, max_position_embeddings=8192)
 
+# A method is (label, OasisConfig overrides); "selectors" run with CUDA graphs and prefetch on (the defaults).
 PRESETS = {
     # The acceptance run of the core issue: batch 8, 32k context, budget 2048, current-query selection.
     "core-8b-b8-32k": dict(shape=LLAMA_8B, batch=8, context=32512, host_capacity=32768, budget=2048,
-                           selectors=["current-query", "static"], eager=["current-query"], floor_context=2048,
-                           warmup=3, repeats=20),
+                           selectors=["current-query", "static"],
+                           extra=[("current-query", dict(cuda_graphs=False), "eager, no CUDA graphs")],
+                           floor_context=2048, offload=False, warmup=3, repeats=20),
+    # The lookahead issue: prefetch off the critical path, against the same step moving nothing (static) and HF's
+    # own offloading. Plain decoding, so the lookahead queries are the previous step's (no drafts).
+    "lookahead-8b-b8-32k": dict(shape=LLAMA_8B, batch=8, context=32512, host_capacity=32768, budget=2048,
+                                selectors=["current-query", "lookahead", "static"],
+                                extra=[("lookahead", dict(prefetch=False), "selection jobs inline")],
+                                floor_context=None, offload=True, warmup=3, repeats=20),
     "smoke": dict(shape=TINY, batch=2, context=1000, host_capacity=None, budget=256,
-                  selectors=["current-query", "static"], eager=[], floor_context=None, warmup=1, repeats=5),
+                  selectors=["current-query", "lookahead", "static"], extra=[], floor_context=None, offload=False,
+                  warmup=1, repeats=5),
 }
 
 
@@ -90,15 +99,26 @@ def run_method(model, name: str, make_cache, input_ids, warmup: int, repeats: in
            "tokens/s": batch * 1e3 / median(times), "prefill s": prefill_s, "raw_ms": times}
     row["host enqueue ms/step"] = median(enqueue)
     if isinstance(cache, oasis_hf.OasisCache):
-        row.update(graph_replay_cost(cache))
+        stats = cache.stats.summary()  # waits for outstanding selection jobs
+        row["fetched blocks/layer-step"] = stats["fetched_blocks_per_layer_step"]
+        row["prefetch late jobs"] = stats["prefetch_late"]
+        row["prefetch stall ms/step"] = stats["prefetch_stall_s"] * 1e3 / max(1, warmup + repeats)
+        layers = len(cache.oasis_layers)
+        block_bytes = cache.host.bytes_per_block() // batch  # K + V of one (sequence, all heads) block
+        heads = cache.oasis_layers[0].num_kv_heads
+        moved = stats["fetched_blocks_per_layer_step"] * layers * block_bytes / heads
+        row["PCIe MB/step"] = moved / 1e6
         row["GPU KV MiB/seq"] = cache.device_nbytes() / batch / 2**20
         row["host MiB/seq"] = cache.host_nbytes() / batch / 2**20
-        stats = cache.stats.summary()
-        row["fetched blocks/layer-step"] = stats["fetched_blocks_per_layer_step"]
+        row.update(graph_replay_cost(cache))
+        row.update(gather_bandwidth(cache))
+        cache.close()
     else:
-        kv = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
-        row["GPU KV MiB/seq"] = kv / batch / 2**20
-        row["host MiB/seq"] = 0.0
+        def nbytes(on_model_device: bool) -> int:  # offloaded layers sit on the CPU between uses
+            return sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in cache.layers
+                       if layer.keys is not None and (layer.keys.device == device) == on_model_device)
+        row["GPU KV MiB/seq"] = nbytes(True) / batch / 2**20
+        row["host MiB/seq"] = nbytes(False) / batch / 2**20
 
     return row
 
@@ -119,6 +139,31 @@ def graph_replay_cost(cache: oasis_hf.OasisCache, replays: int = 20) -> dict:
     host_us = (time.perf_counter() - t0) * 1e6 / replays
     torch.cuda.synchronize()
     return {"graph replay host us": host_us, "graph replay GPU us": begin.elapsed_time(end) * 1e3 / replays}
+
+
+def gather_bandwidth(cache: oasis_hf.OasisCache, repeats: int = 10) -> dict:
+    """GB/s of the zero-copy delta gather as the cache runs it: `max_fetch_blocks` random blocks per (sequence,
+    head) of layer 0 from pinned host memory into pool slots (run last: it overwrites pool contents)."""
+    layer = cache.oasis_layers[0]
+    if not layer.pool_k.is_cuda:
+        return {}
+    cfg = cache.config
+    per_head = cfg.max_fetch_blocks or cfg.budget_blocks
+    batch, heads = layer.batch_size, layer.num_kv_heads
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    blocks = torch.randint(0, layer.length // cfg.block_size, (batch, heads, per_head), device="cuda", generator=gen)
+    slots = torch.arange(per_head, device="cuda").expand(batch, heads, -1)
+    valid = torch.ones_like(blocks, dtype=torch.bool)
+    cache.host.fetch(layer.layer_idx, blocks, layer.pool_k, layer.pool_v, slots, valid, cfg.kernel_backend)
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(repeats):
+        cache.host.fetch(layer.layer_idx, blocks, layer.pool_k, layer.pool_v, slots, valid, cfg.kernel_backend)
+    end.record()
+    torch.cuda.synchronize()
+    nbytes = repeats * blocks.numel() * 2 * cfg.block_size * layer.head_dim * layer.pool_k.element_size()
+    return {"gather GB/s": nbytes / (begin.elapsed_time(end) / 1e3) / 1e9}
 
 
 def main() -> None:
@@ -149,26 +194,35 @@ def main() -> None:
         rows.append(run_method(model, f"dense DynamicCache (sdpa), {preset['floor_context']}-token context (floor)",
                                lambda: DynamicCache(config=model.config), input_ids[:, -preset["floor_context"]:],
                                preset["warmup"], preset["repeats"], None))
+    if preset["offload"]:
+        logger.info("HF DynamicCache(offloading=True) ...")
+        rows.append(run_method(model, "HF DynamicCache(offloading=True) (sdpa)",
+                               lambda: DynamicCache(config=model.config, offloading=True), input_ids, 1, 3, None))
     model.set_attn_implementation("oasis")
-    # Each selector with the decode step in CUDA graphs (the default), and the listed ones also eagerly, so the
-    # effect of the graphs is measured in the same run.
-    variants = [(s, True) for s in preset["selectors"]] + [(s, False) for s in preset["eager"]]
-    for selector, graphs in variants:
+    variants = [(s, {}, "") for s in preset["selectors"]] + list(preset["extra"])
+    for selector, overrides, note in variants:
         cfg = oasis_hf.OasisConfig(budget_tokens=preset["budget"], selector=selector,
-                                   host_capacity_tokens=preset["host_capacity"], cuda_graphs=graphs)
-        label = f"OasisKV {selector} @{preset['budget']}" + ("" if graphs else " (eager, no CUDA graphs)")
+                                   host_capacity_tokens=preset["host_capacity"], **overrides)
+        label = f"OasisKV {selector} @{preset['budget']}" + (f" ({note})" if note else "")
         logger.info("%s ...", label)
-        rows.append(run_method(model, label,
-                               lambda cfg=cfg: oasis_hf.OasisCache(model.config, cfg), input_ids,
+        rows.append(run_method(model, label, lambda cfg=cfg: oasis_hf.OasisCache(model.config, cfg), input_ids,
                                preset["warmup"], preset["repeats"], args.profile))
     dense_ms = rows[0]["ms/step (median)"]
     dense_kv = rows[0]["GPU KV MiB/seq"]
+    static = next((r for r in rows if r["method"].startswith("OasisKV static")), None)
+    offload = next((r for r in rows if "offloading" in r["method"]), None)
     for row in rows:
         row["step vs dense"] = row["ms/step (median)"] / dense_ms
         row["GPU KV vs dense"] = row["GPU KV MiB/seq"] / dense_kv
-    columns = ["method", "ms/step (median)", "ms/step (p90)", "tokens/s", "step vs dense", "host enqueue ms/step",
-               "GPU KV MiB/seq", "GPU KV vs dense", "host MiB/seq", "fetched blocks/layer-step",
-               "graph replay host us", "graph replay GPU us", "prefill s"]
+        if static is not None:  # the same step with nothing moving
+            row["step vs static"] = row["ms/step (median)"] / static["ms/step (median)"]
+        if offload is not None:
+            row["tokens/s vs HF offloading"] = row["tokens/s"] / offload["tokens/s"]
+    columns = ["method", "ms/step (median)", "ms/step (p90)", "tokens/s", "step vs dense", "step vs static",
+               "tokens/s vs HF offloading", "host enqueue ms/step", "GPU KV MiB/seq", "GPU KV vs dense",
+               "host MiB/seq", "fetched blocks/layer-step", "PCIe MB/step", "gather GB/s", "prefetch late jobs",
+               "prefetch stall ms/step", "graph replay host us", "graph replay GPU us", "prefill s"]
+    columns = [c for c in columns if any(c in row for row in rows)]
     env = environment()
     header = (f"Test configuration: {env.get('gpu', 'cpu')}, torch {env['torch']}, transformers "
               f"{env['transformers']}, triton {env['triton']}; random-weight Llama shape "

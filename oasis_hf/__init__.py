@@ -6,7 +6,7 @@ attention runs exactly over them. Importing this package registers nothing: call
 
 from oasis_hf.cache.oasis_cache import OasisCache
 from oasis_hf.config import OasisConfig
-from oasis_hf.errors import DeviceMemoryError, HostMemoryError, OasisError, UnsupportedError
+from oasis_hf.errors import DeviceMemoryError, HostMemoryError, OasisError, PrefetchError, UnsupportedError
 from oasis_hf.integrations.attention import ATTENTION_NAME, enable, oasis_attention, register
 from oasis_hf.speculative import SpeculativeOutput, SpeculativeStats, speculative_generate
 
@@ -19,6 +19,7 @@ __all__ = [
     "OasisCache",
     "OasisConfig",
     "OasisError",
+    "PrefetchError",
     "SpeculativeOutput",
     "SpeculativeStats",
     "UnsupportedError",

@@ -35,8 +35,11 @@ class OasisConfig:
         Size of the always-resident recent window, in tokens, not counting the partially filled last block; a
         multiple of `block_size`. Default 128.
     selector : str
-        Block selection policy: ``"current-query"`` (score every block with the step's own queries, fetch misses
-        synchronously), ``"static"`` (sinks + the most recent blocks: StreamingLLM at equal budget) or ``"oracle"``
+        Block selection policy: ``"lookahead"`` (after each step, score blocks with the queries of the forward's
+        draft positions, or of the step itself without drafts, and move the delta for the next step in the
+        background: OasisKV), ``"previous-query"`` (the same with the forward's first query only),
+        ``"current-query"`` (score every block with the step's own queries and fetch misses synchronously, inside
+        the step), ``"static"`` (sinks + the most recent blocks: StreamingLLM at equal budget) or ``"oracle"``
         (exact attention mass from the full keys; slow, for tests and recall). See `oasis_hf.selectors`.
     summary : str
         Block summary kept on the GPU for scoring: ``"mean"`` (mean key per block and KV head, 1/block_size of
@@ -58,6 +61,10 @@ class OasisConfig:
     host_memory_headroom_bytes : int
         Host memory left free when sizing the store; an allocation that would cut into it fails up front with
         `HostMemoryError`. Default 1 GiB.
+    prefetch : bool
+        Run the selection jobs of asynchronous selectors (``lookahead``, ``previous-query``) on a background worker
+        thread and CUDA stream. The next step of a layer waits for its job, so the output is the same with
+        ``False``, which runs each job inline right after the step. Default True.
     cuda_graphs : bool
         On CUDA, capture each layer's decode step (selection, delta, fetch, sparse attention) in a CUDA graph per
         forward length ``T <= 16`` and replay it: a few launches per layer instead of ~190. The first forward of
@@ -76,6 +83,7 @@ class OasisConfig:
     host_growth_tokens: int = 4096
     pin_host_memory: bool | None = None
     host_memory_headroom_bytes: int = 1 << 30
+    prefetch: bool = True
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
@@ -124,8 +132,9 @@ class OasisConfig:
             raise bad("host_capacity_tokens", self.host_capacity_tokens, "use a positive int, or None")
         if self.pin_host_memory not in (None, True, False):
             raise bad("pin_host_memory", self.pin_host_memory, "use True, False or None (auto)")
-        if not isinstance(self.cuda_graphs, bool):
-            raise bad("cuda_graphs", self.cuda_graphs, "use True or False")
+        for name in ("prefetch", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, getattr(self, name), "use True or False")
         if not isinstance(self.host_memory_headroom_bytes, int) or self.host_memory_headroom_bytes < 0:
             raise bad("host_memory_headroom_bytes", self.host_memory_headroom_bytes, "use a non-negative int")
 

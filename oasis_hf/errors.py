@@ -26,3 +26,7 @@ class DeviceMemoryError(OasisError, MemoryError):
 
 class UnsupportedError(OasisError, ValueError):
     """A model, layer type or generation mode that OasisCache does not handle."""
+
+
+class PrefetchError(OasisError):
+    """The background prefetch worker failed; the cache that owns it cannot continue."""

@@ -68,3 +68,25 @@ def test_teacher_forced_graph_steps_match_eager_bf16():
         ref = _teacher_forced(model, oasis_cache(model, cuda_graphs=False, **small), ids, 150)
         out = _teacher_forced(model, oasis_cache(model, **small), ids, 150)
     torch.testing.assert_close(out, ref, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("selector", ["lookahead", "previous-query"])
+def test_prefetch_on_worker_stream_equals_inline(selector):
+    """Graph-captured steps plus selection jobs on the worker thread and stream: same output as inline jobs."""
+    model = tiny_model("llama", attn="oasis", device="cuda", dtype=torch.bfloat16)
+    ids, mask = left_padded([300, 260])
+    ids, mask = ids.cuda(), mask.cuda()
+    draft = tiny_model("llama", layers=1, device="cuda", dtype=torch.bfloat16)
+    outs, stats = [], []
+    for prefetch in (False, True):
+        with oasis_cache(model, selector=selector, prefetch=prefetch, budget_tokens=128, max_fetch_blocks=2) as c:
+            outs.append(generate(model, ids, mask, c))
+            stats.append(c.stats.summary())
+            for layer in c.oasis_layers:
+                layer.table.check()
+    assert torch.equal(outs[0], outs[1])
+    assert stats[0]["fetched_blocks"] == stats[1]["fetched_blocks"] > 0
+    assert stats[1]["graph_replays"] > 0
+    with oasis_cache(model, selector=selector, budget_tokens=128, max_fetch_blocks=2) as c:
+        generate(model, ids[:1], mask[:1], c, assistant_model=draft)  # T varies: one graph per T, jobs in between
+        assert c.stats.summary()["prefetch_jobs"] > 0

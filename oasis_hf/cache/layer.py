@@ -58,6 +58,7 @@ class OasisLayer(CacheLayerMixin):
         self.length = 0
         self._pending: tuple[int, int] | None = None
         self._deferred_write = False  # this forward's host write-back runs inside the decode step
+        self._ticket = None  # outstanding selection job (asynchronous selectors with prefetch on)
         self.kv_start: torch.Tensor | None = None  # (B,) first real position (left padding)
         self.writeback_event = None
         self._ids: torch.Tensor | None = None  # (1, 1, NB_cap) arange, see _block_ids
@@ -141,6 +142,7 @@ class OasisLayer(CacheLayerMixin):
             raise ValueError("OasisLayer.crop takes a non-positive count; OasisCache.crop converts both conventions")
         if tokens_to_remove == 0 or self.length == 0:
             return
+        self._await_job()  # the job rewrites the table that crop edits
         self.length = max(0, self.length + tokens_to_remove)
         self._pending = None
         if self.length == 0:
@@ -149,6 +151,8 @@ class OasisLayer(CacheLayerMixin):
         self.table.drop_from(-(-self.length // self.config.block_size))
 
     def reset(self) -> None:
+        if self._ticket is not None:
+            self._await_job()
         self._graphs.clear()  # the next prefill sets a new kv_start tensor
         self.length = 0
         self._pending = None
@@ -215,13 +219,56 @@ class OasisLayer(CacheLayerMixin):
 
     def _decode(self, query, key, value, scale, start) -> torch.Tensor:
         self.cache.stats.decode_layer_steps += 1
+        self._await_job()  # the previous step's selection job rewrote this layer's table and pool
         if self.writeback_event is not None:  # host rows written on the side stream before any block is read back
             torch.cuda.current_stream(self.device).wait_event(self.writeback_event)
             self.writeback_event = None  # later work on this stream stays ordered after the wait
         if self._deferred_write:
-            return self._run_graph(query, key, value, scale, start)
-        start_t = torch.full((), start, dtype=torch.long, device=self.device)
-        return self._decode_step(query, key, value, start_t, scale, write_back=False)
+            out, query_src, start_src = self._run_graph(query, key, value, scale, start)
+        else:
+            start_src = torch.full((), start, dtype=torch.long, device=self.device)
+            query_src = query
+            out = self._decode_step(query, key, value, start_src, scale, write_back=False)
+        if self.cache.selector.asynchronous:
+            self._submit_job(query_src, start_src, query.shape[2], scale)
+        return out
+
+    # ------------------------------------------------------------------------------------------ selection jobs
+    def _job(self, query: torch.Tensor, start: torch.Tensor, num_tokens: int, scale: float) -> None:
+        """Choose and fetch the blocks of this layer's next step from this step's lookahead queries.
+
+        query : (B, H_q, T, D) this forward's queries; start : 0-d long tensor, the forward's first position.
+        Runs on the prefetch worker (its stream) or inline; fixed shapes, no host synchronisation.
+        """
+        cfg = self.config
+        rows = self.cache.selector.lookahead_queries(query)
+        last = start + (num_tokens - 1)  # the next step's view: everything up to this forward's last token
+        scores = self._scores(rows, scale, last, num_tokens=1)
+        blocks, slots, valid = self.table.plan(scores, cfg.max_fetch_blocks)
+        self.cache.host.fetch(self.layer_idx, blocks, self.pool_k, self.pool_v, slots, valid, cfg.kernel_backend)
+        self.cache.stats.record_fetched(valid)
+
+    def _submit_job(self, query: torch.Tensor, start: torch.Tensor, num_tokens: int, scale: float) -> None:
+        self.cache.stats.prefetch_jobs += 1
+        if not self.config.prefetch:
+            self._job(query, start, num_tokens, scale)
+            return
+        prefetcher = self.cache._prefetcher(self.device)
+        if prefetcher.stream is not None:  # the worker stream reads these after the caller may free them
+            query.record_stream(prefetcher.stream)
+            start.record_stream(prefetcher.stream)
+        self._ticket = prefetcher.submit(lambda: self._job(query, start, num_tokens, scale))
+
+    def _await_job(self) -> None:
+        """Wait (host, then stream) for this layer's outstanding selection job; count it late if unfinished."""
+        if self._ticket is None:
+            return
+        ticket, self._ticket = self._ticket, None
+        prefetcher = self.cache._prefetcher(self.device)
+        late, stall = prefetcher.late, prefetcher.stall_s
+        prefetcher.wait(ticket)
+        self.cache.stats.prefetch_late += prefetcher.late - late
+        self.cache.stats.prefetch_stall_s += prefetcher.stall_s - stall
 
     def _decode_step(self, query, key, value, start: torch.Tensor, scale: float, write_back: bool) -> torch.Tensor:
         """The device work of one decode / verification forward; `start` is a 0-d long tensor (tokens before it).
@@ -260,11 +307,12 @@ class OasisLayer(CacheLayerMixin):
         # Summaries of the touched blocks, recomputed from the pool.
         touched_slot = self.table.block_slot.gather(-1, touched_bh)
         self.summaries.write(touched, self.pool_k[b_idx, h_idx, touched_slot], self._token_ok(touched, end))
-        # Selection, delta, fetch, attention.
-        scores = self._scores(query, scale, start)
-        blocks, slots, valid = self.table.plan(scores, cfg.max_fetch_blocks)
-        self.cache.host.fetch(self.layer_idx, blocks, self.pool_k, self.pool_v, slots, valid, cfg.kernel_backend)
-        self.cache.stats.record_fetched(valid)
+        # Selection, delta, fetch (synchronous selectors; asynchronous ones did it after the previous step).
+        if not self.cache.selector.asynchronous:
+            scores = self._scores(query, scale, start)
+            blocks, slots, valid = self.table.plan(scores, cfg.max_fetch_blocks)
+            self.cache.host.fetch(self.layer_idx, blocks, self.pool_k, self.pool_v, slots, valid, cfg.kernel_backend)
+            self.cache.stats.record_fetched(valid)
         attend = sparse_attention if use_triton(query, cfg.kernel_backend) else sparse_attention_ref
         out = attend(query, self.pool_k, self.pool_v, self.table.slot_block, end, self.kv_start, scale)
         if write_back:
@@ -283,9 +331,9 @@ class OasisLayer(CacheLayerMixin):
             and not torch.cuda.is_current_stream_capturing()
         )
 
-    def _run_graph(self, query, key, value, scale, start) -> torch.Tensor:
+    def _run_graph(self, query, key, value, scale, start):
         """Replay the captured step for this ``T``; the first step of a ``T`` runs eagerly (warm-up), the second
-        captures."""
+        captures. Returns the output and the query and start tensors the step read (for the selection job)."""
         num_tokens = query.shape[2]
         graph = self._graphs.get(num_tokens)
         if graph is None or graph.scale != scale:
@@ -298,12 +346,15 @@ class OasisLayer(CacheLayerMixin):
                 with torch.cuda.stream(stream):
                     start_t = torch.full((), start, dtype=torch.long, device=self.device)
                     out = self._decode_step(query, key, value, start_t, scale, write_back=True)
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                out.record_stream(torch.cuda.current_stream(self.device))
-                return out
+                compute = torch.cuda.current_stream(self.device)
+                compute.wait_stream(stream)
+                for tensor in (out, query, start_t):
+                    tensor.record_stream(compute)
+                return out, query, start_t
+            self.cache.wait()  # no selection job in flight while capturing (its stream must not touch our state)
             graph = self._graphs[num_tokens] = _StepGraph(self, query, key, value, scale, stream)
         self.cache.stats.graph_replays += 1
-        return graph.run(query, key, value, start)
+        return graph.run(query, key, value, start), graph.query, graph.start
 
     # ------------------------------------------------------------------------------------------ helpers
     def _arange(self, n: int) -> torch.Tensor:
@@ -328,13 +379,15 @@ class OasisLayer(CacheLayerMixin):
         pos = (block_ids[:, None] * bs + self._arange(bs)).view(1, 1, -1, bs)
         return (pos < end) & (pos >= self.kv_start.view(-1, 1, 1, 1))
 
-    def _scores(self, query: torch.Tensor, scale: float, start: torch.Tensor) -> torch.Tensor:
+    def _scores(self, query: torch.Tensor, scale: float, start: torch.Tensor, num_tokens: int | None = None):
         """(B, H_kv, NB_cap) scores with the shared rules: forced blocks +inf, non-blocks -inf.
 
-        `query`: (B, H_q, T, D) at positions ``start .. start + T - 1`` (`start`: 0-d long tensor).
+        The forward holds positions ``start .. start + num_tokens - 1`` (`start`: 0-d long tensor; `num_tokens`
+        defaults to the T of `query` (B, H_q, T, D), whose rows score the blocks).
         """
         cfg = self.config
-        num_blocks = (start + query.shape[2] + cfg.block_size - 1) // cfg.block_size
+        num_tokens = query.shape[2] if num_tokens is None else num_tokens
+        num_blocks = (start + num_tokens + cfg.block_size - 1) // cfg.block_size
         ids = self._block_ids()
         first = (self.kv_start // cfg.block_size).view(-1, 1, 1)
         block_ok = (ids >= first) & (ids < num_blocks)
@@ -416,7 +469,8 @@ class _StepGraph:
         self.graph = torch.cuda.CUDAGraph()
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            self.graph.capture_begin(pool=layer.cache._graph_pool(device))
+            # thread_local: the prefetch worker may call the CUDA API (allocations) on its own stream meanwhile.
+            self.graph.capture_begin(pool=layer.cache._graph_pool(device), capture_error_mode="thread_local")
             try:
                 self.out = layer._decode_step(self.query, self.key, self.value, self.start, scale, write_back=True)
             finally:

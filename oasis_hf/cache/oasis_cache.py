@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 
 import torch
 from transformers.cache_utils import Cache
@@ -23,6 +24,7 @@ from transformers.cache_utils import Cache
 from oasis_hf import _compat
 from oasis_hf.cache.host_store import HostKVStore
 from oasis_hf.cache.layer import OasisLayer
+from oasis_hf.cache.prefetch import Prefetcher
 from oasis_hf.cache.stats import OasisStats
 from oasis_hf.config import OasisConfig
 from oasis_hf.errors import UnsupportedError
@@ -71,8 +73,12 @@ class OasisCache(Cache):
         self.selector = get_selector(config.selector)
         self.host: HostKVStore | None = None
         self.stats = OasisStats()
+        self.stats._drain = self.wait
         self._writeback_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._capture_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._prefetchers: dict[torch.device, Prefetcher] = {}
+        # No thread outlives the cache: close the workers when the cache is collected (or at interpreter exit).
+        self._finalizer = weakref.finalize(self, _close_all, self._prefetchers)
         super().__init__(layers=layers)
         self._oasis_layers = [layer for layer in layers if isinstance(layer, OasisLayer)]
 
@@ -100,6 +106,33 @@ class OasisCache(Cache):
         if self.host.ensure_capacity(num_tokens, reserve_tokens=self.config.host_capacity_tokens or 0):
             for layer in self.oasis_layers:
                 layer.grow(self.host.capacity_blocks)
+
+    def _prefetcher(self, device: torch.device) -> Prefetcher:
+        """The background selection worker of `device`, started on first use."""
+        worker = self._prefetchers.get(device)
+        if worker is None:
+            worker = self._prefetchers[device] = Prefetcher(device, name=f"oasis-prefetch-{device}")
+            worker.start()
+        return worker
+
+    def wait(self) -> None:
+        """Wait for every outstanding selection job (re-raises a worker failure as `PrefetchError`)."""
+        for layer in self._oasis_layers:
+            if layer._ticket is not None:
+                layer._await_job()
+
+    def close(self) -> None:
+        """Finish outstanding selection jobs and stop the prefetch workers (idempotent; `reset` keeps them)."""
+        try:
+            self.wait()
+        finally:
+            _close_all(self._prefetchers)
+
+    def __enter__(self) -> OasisCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _writeback_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The side stream device-to-host write-back runs on (eagerly, and as a forked branch inside graphs)."""
@@ -193,3 +226,9 @@ class OasisCache(Cache):
         elem = first.pool_k.element_size()
         per_layer = 2 * first.batch_size * first.num_kv_heads * first.length * first.head_dim * elem
         return per_layer * len(layers)
+
+
+def _close_all(prefetchers: dict) -> None:
+    for worker in list(prefetchers.values()):
+        worker.close()
+    prefetchers.clear()

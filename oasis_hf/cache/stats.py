@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +19,11 @@ class OasisStats:
     prefill_layers: int = 0
     decode_layer_steps: int = 0
     graph_replays: int = 0
+    prefetch_jobs: int = 0  # selection jobs submitted (asynchronous selectors)
+    prefetch_late: int = 0  # jobs not finished on the host when their layer's next step needed them
+    prefetch_stall_s: float = 0.0  # host seconds spent waiting for late jobs
     _counts: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)  # [prefilled, fetched]
+    _drain: Callable[[], None] | None = field(default=None, repr=False)  # waits for outstanding jobs
 
     def counters(self, device: torch.device) -> torch.Tensor:
         """The (2,) int64 counter tensor on `device`, created on first use (call it outside graph capture)."""
@@ -36,6 +41,9 @@ class OasisStats:
         self.counters(valid.device)[1].add_(valid.sum())
 
     def summary(self) -> dict[str, float]:
+        """Plain numbers; outstanding selection jobs are waited for first, so their fetches are counted."""
+        if self._drain is not None:
+            self._drain()
         totals = [0, 0]
         for counts in self._counts.values():
             for i, value in enumerate(counts.tolist()):
@@ -44,6 +52,9 @@ class OasisStats:
             "prefill_layers": self.prefill_layers,
             "decode_layer_steps": self.decode_layer_steps,
             "graph_replays": self.graph_replays,
+            "prefetch_jobs": self.prefetch_jobs,
+            "prefetch_late": self.prefetch_late,
+            "prefetch_stall_s": self.prefetch_stall_s,
             "initial_blocks": totals[0],
             "fetched_blocks": totals[1],
             "fetched_blocks_per_layer_step": totals[1] / max(1, self.decode_layer_steps),

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from oasis_hf.selectors.base import BlockSelector
 from oasis_hf.selectors.current_query import CurrentQuerySelector
+from oasis_hf.selectors.lookahead import LookaheadSelector
 from oasis_hf.selectors.oracle import OracleSelector
+from oasis_hf.selectors.previous_query import PreviousQuerySelector
 from oasis_hf.selectors.static import StaticSelector
 
 SELECTORS: dict[str, type[BlockSelector]] = {
     CurrentQuerySelector.name: CurrentQuerySelector,
     StaticSelector.name: StaticSelector,
     OracleSelector.name: OracleSelector,
+    PreviousQuerySelector.name: PreviousQuerySelector,
+    LookaheadSelector.name: LookaheadSelector,
 }
 
 

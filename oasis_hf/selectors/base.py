@@ -24,6 +24,13 @@ class BlockSelector(ABC):
     #: The score is fixed-shape device work with no host synchronisation, so the decode step that calls it can be
     #: captured in a CUDA graph. Set False for selectors that read host memory or branch on data.
     capturable: ClassVar[bool] = True
+    #: Selects for the *next* step after this one ran (a prefetch job, on the worker when ``prefetch`` is on);
+    #: False: selects for this step, inside it, before attention (synchronous).
+    asynchronous: ClassVar[bool] = False
+
+    def lookahead_queries(self, query: torch.Tensor) -> torch.Tensor:
+        """Asynchronous selectors: the rows of this forward's queries (B, H_q, T, D) that score the next step."""
+        raise NotImplementedError(f"{type(self).__name__} selects synchronously")
 
     @abstractmethod
     def score(self, layer: OasisLayer, query: torch.Tensor, scale: float, block_ok: torch.Tensor) -> torch.Tensor:

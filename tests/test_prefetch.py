@@ -1,0 +1,182 @@
+"""Lookahead / previous-query selection with the background prefetcher (CPU; the GPU twin is in test_cuda_graphs)."""
+
+import gc
+import threading
+import time
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from oasis_hf import PrefetchError
+from oasis_hf.cache.layer import OasisLayer
+from oasis_hf.cache.prefetch import Prefetcher
+from tests._factories import oasis_cache, tiny_model
+from tests.test_generate import generate, left_padded
+
+SMALL = dict(budget_tokens=128, max_fetch_blocks=2)  # 8 slots per (sequence, head): real eviction and fetches
+
+
+def prefetch_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("oasis-prefetch")]
+
+
+@pytest.mark.parametrize("selector", ["lookahead", "previous-query"])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_prefetch_on_off_identical(selector, family):
+    model = tiny_model(family, attn="oasis")
+    ids, mask = left_padded([300, 260])
+    outs, stats = [], []
+    for prefetch in (False, True):
+        with oasis_cache(model, selector=selector, prefetch=prefetch, **SMALL) as cache:
+            outs.append(generate(model, ids, mask, cache))
+            stats.append(cache.stats.summary())
+            for layer in cache.oasis_layers:
+                layer.table.check()
+                assert int(layer.table.resident_count().max()) <= 8
+    assert torch.equal(outs[0], outs[1])
+    assert stats[0]["fetched_blocks"] == stats[1]["fetched_blocks"] > 0
+    assert stats[1]["prefetch_jobs"] == stats[0]["prefetch_jobs"] > 0
+    assert not prefetch_threads()
+
+
+def test_lookahead_budget_covering_context_matches_dense_with_drafts_and_prompt_lookup():
+    ids, mask = left_padded([150])
+    dense = tiny_model("llama")
+    ref = generate(dense, ids, mask, DynamicCache(config=dense.config))
+    model = tiny_model("llama", attn="oasis")
+    draft = tiny_model("llama", layers=1)
+    draft.generation_config.num_assistant_tokens = 4
+    with oasis_cache(model, selector="lookahead") as cache:
+        assert torch.equal(generate(model, ids, mask, cache, assistant_model=draft), ref)
+    with oasis_cache(model, selector="lookahead") as cache:
+        assert torch.equal(generate(model, ids, mask, cache, prompt_lookup_num_tokens=3), ref)
+
+
+def test_lookahead_selects_with_the_draft_queries():
+    """With drafts, the job scores with all T queries of the verification forward, not only the first."""
+    model = tiny_model("llama", attn="oasis")
+    ids, mask = left_padded([300])
+    draft = tiny_model("llama", layers=1)
+    draft.generation_config.num_assistant_tokens = 4
+    draft.generation_config.num_assistant_tokens_schedule = "constant"  # keep T = 5 although drafts are rejected
+    draft.generation_config.assistant_confidence_threshold = 0.0  # and although the random draft is unsure
+    seen = []
+    original = OasisLayer._job
+
+    def spy(self, query, start, num_tokens, scale):
+        seen.append(self.cache.selector.lookahead_queries(query).shape[2])
+        return original(self, query, start, num_tokens, scale)
+
+    OasisLayer._job = spy
+    try:
+        for selector in ("lookahead", "previous-query"):
+            seen.clear()
+            with oasis_cache(model, selector=selector, **SMALL) as cache:
+                generate(model, ids, mask, cache, assistant_model=draft)
+            assert max(seen) == (5 if selector == "lookahead" else 1)
+    finally:
+        OasisLayer._job = original
+
+
+def test_slow_prefetcher_changes_nothing_but_late_count(monkeypatch):
+    model = tiny_model("llama", attn="oasis")
+    ids, mask = left_padded([260])
+    with oasis_cache(model, selector="lookahead", **SMALL) as cache:
+        ref = generate(model, ids, mask, cache)
+        fast = cache.stats.summary()
+    original = OasisLayer._job
+
+    def slow(self, *args):
+        time.sleep(0.01)
+        return original(self, *args)
+
+    monkeypatch.setattr(OasisLayer, "_job", slow)
+    with oasis_cache(model, selector="lookahead", **SMALL) as cache:
+        out = generate(model, ids, mask, cache)
+        late = cache.stats.summary()
+    assert torch.equal(out, ref)
+    assert late["fetched_blocks"] == fast["fetched_blocks"]
+    assert late["prefetch_late"] > 0 and late["prefetch_stall_s"] > 0
+
+
+def test_worker_exception_surfaces_in_the_caller(monkeypatch):
+    model = tiny_model("llama", attn="oasis")
+    ids, mask = left_padded([200])
+    calls = []
+    original = OasisLayer._job
+
+    def broken(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected failure")
+        return original(self, *args)
+
+    monkeypatch.setattr(OasisLayer, "_job", broken)
+    cache = oasis_cache(model, selector="lookahead", **SMALL)
+    with pytest.raises(PrefetchError, match="injected failure") as err:
+        generate(model, ids, mask, cache)
+    assert isinstance(err.value.__cause__, RuntimeError)
+    with pytest.raises(PrefetchError):
+        cache.close()  # the outstanding job's error is reported again ...
+    assert not prefetch_threads()  # ... and the worker is gone all the same
+    cache.close()  # idempotent
+
+
+def test_close_is_idempotent_and_no_thread_outlives_the_cache():
+    model = tiny_model("llama", attn="oasis")
+    ids, mask = left_padded([200])
+    cache = oasis_cache(model, selector="lookahead", **SMALL)
+    generate(model, ids, mask, cache)
+    assert len(prefetch_threads()) == 1
+    cache.close()
+    cache.close()
+    assert not prefetch_threads()
+    forgotten = oasis_cache(model, selector="lookahead", **SMALL)  # never closed: collected, thread stops
+    generate(model, ids, mask, forgotten)
+    assert len(prefetch_threads()) == 1
+    del forgotten
+    deadline = time.time() + 5
+    while prefetch_threads() and time.time() < deadline:
+        gc.collect()  # the cache and its layers form reference cycles
+        time.sleep(0.01)
+    assert not prefetch_threads()
+
+
+def test_prefetcher_lifecycle_alone():
+    with Prefetcher(torch.device("cpu")) as worker:
+        box = []
+        ticket = worker.submit(lambda: box.append(1))
+        worker.wait(ticket)
+        assert box == [1] and worker.alive
+    assert not worker.alive
+    worker.close()
+    with pytest.raises(PrefetchError, match="closed"):
+        worker.submit(lambda: None)
+
+
+def test_forgotten_cache_does_not_hang_interpreter_exit():
+    import subprocess
+    import sys
+
+    code = (
+        "from tests._factories import oasis_cache, tiny_model\n"
+        "from tests.test_generate import generate, left_padded\n"
+        "m = tiny_model('llama', attn='oasis'); ids, mask = left_padded([120])\n"
+        "cache = oasis_cache(m, selector='lookahead', budget_tokens=128, max_fetch_blocks=2)\n"
+        "generate(m, ids, mask, cache)\n"  # never closed, still referenced at exit
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_jobs_run_under_the_callers_inference_mode():
+    """Grad modes are thread-local: tensors made under inference_mode must still be updatable by the worker."""
+    model = tiny_model("llama", attn="oasis")
+    ids = torch.randint(1, 128, (2, 200), generator=torch.Generator().manual_seed(4))
+    logits = []
+    for prefetch in (False, True):
+        with torch.inference_mode(), oasis_cache(model, selector="lookahead", prefetch=prefetch, **SMALL) as cache:
+            model(ids, past_key_values=cache, use_cache=True)
+            for t in range(10):
+                logits.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(logits[:10]), torch.cat(logits[10:]), atol=0, rtol=0)
