@@ -8,6 +8,7 @@ from oasis_hf.cache.oasis_cache import OasisCache
 from oasis_hf.config import OasisConfig
 from oasis_hf.errors import DeviceMemoryError, HostMemoryError, OasisError, PrefetchError, UnsupportedError
 from oasis_hf.integrations.attention import ATTENTION_NAME, enable, oasis_attention, register
+from oasis_hf.pipelines import OasisTextGenerationPipeline, text_generation_pipeline
 from oasis_hf.speculative import SpeculativeOutput, SpeculativeStats, speculative_generate
 
 __version__ = "0.1.0"
@@ -19,6 +20,7 @@ __all__ = [
     "OasisCache",
     "OasisConfig",
     "OasisError",
+    "OasisTextGenerationPipeline",
     "PrefetchError",
     "SpeculativeOutput",
     "SpeculativeStats",
@@ -27,4 +29,5 @@ __all__ = [
     "oasis_attention",
     "register",
     "speculative_generate",
+    "text_generation_pipeline",
 ]

@@ -52,3 +52,22 @@ def oasis_cache(model, **fields) -> oasis_hf.OasisCache:
     base = dict(block_size=16, sink_tokens=16, recent_tokens=32, budget_tokens=4096)
     base.update(fields)
     return oasis_hf.OasisCache(model.config, oasis_hf.OasisConfig(**base))
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over ``w0 .. w{VOCAB-4}`` plus <unk>/<pad>/<eos>, built in memory (no downloads)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<pad>": 1, "<eos>": 2}
+    vocab.update({f"w{i}": i + 3 for i in range(VOCAB - 3)})
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    tok.padding_side = "left"
+    return tok
+
+
+def words(n: int, seed: int) -> str:
+    gen = torch.Generator().manual_seed(seed)
+    return " ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 3, (n,), generator=gen))

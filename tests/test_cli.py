@@ -1,0 +1,63 @@
+"""The `oasis-hf` command line."""
+
+import subprocess
+import sys
+
+import pytest
+
+from oasis_hf.cli import main, passkey_prompt
+from tests._factories import tiny_model, tiny_tokenizer, words
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama").save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_generate_on_a_tiny_model(tiny_dir, tmp_path, capsys):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(words(200, seed=9))
+    rc = main(["generate", "--model", str(tiny_dir), "--prompt-file", str(prompt), "--device", "cpu",
+               "--budget", "128", "--block-size", "16", "--max-new-tokens", "8", "--selector", "lookahead"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert len(out.split()) == 8  # eight word tokens
+    assert "tokens/s" in err and "GPU KV" in err and "prefetch late" in err
+
+
+def test_help_explains_each_command():
+    out = subprocess.run([sys.executable, "-m", "oasis_hf.cli", "--help"], capture_output=True, text=True, check=True)
+    for command in ("generate", "demo", "models", "bench"):
+        assert command in out.stdout
+    gen = subprocess.run([sys.executable, "-m", "oasis_hf.cli", "generate", "--help"], capture_output=True,
+                         text=True, check=True)
+    assert "--budget" in gen.stdout and "--prompt-lookup" in gen.stdout
+
+
+def test_bad_arguments_fail_with_a_clear_message(tiny_dir, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--selector", "nope"])
+    assert exit_info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+    rc = main(["generate", "--model", str(tiny_dir), "--prompt", "w1 w2", "--device", "cpu", "--budget", "100"])
+    assert rc == 1
+    assert "budget_tokens=100 is invalid" in capsys.readouterr().err
+    rc = main(["models", "assemble", "no-such-model"])
+    assert rc == 1
+    assert "unknown packaged model" in capsys.readouterr().err
+
+
+def test_models_list(capsys):
+    assert main(["models", "list"]) == 0
+    assert "smollm2-135m-instruct (default)" in capsys.readouterr().out
+
+
+def test_passkey_prompt_is_varied_and_holds_the_key():
+    tok = tiny_tokenizer()
+    prompt, key = passkey_prompt(300, tok, seed=1)
+    assert f"pass key is {key}" in prompt
+    sentences = prompt.split(".")
+    assert len(set(sentences)) > 0.8 * len(sentences)  # not one repeated sentence
