@@ -135,7 +135,7 @@ def cmd_demo(args) -> int:
                     f"{result['new_tokens'] / result['seconds']:.1f} | {kv / 2**20:.1f} |")
     print(f"\nPrompt: {dense['prompt_tokens']} tokens with a hidden pass key ({key}); greedy, "
           f"{args.max_new_tokens} new tokens, prompt-lookup drafts ({args.prompt_lookup}) for OasisKV.\n")
-    print("| method | answer | correct | tokens/s | KV on the model's device (MiB) |")
+    print("| method | answer | correct | tokens/s (prefill included) | KV on the model's device (MiB) |")
     print("|---|---|---|---|---|")
     print("\n".join(rows))
     print(f"\nsame answer: {dense['text'] == ours['text']}; OasisKV: {line}")
