@@ -20,6 +20,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import oasis_hf
 from eval._common import environment, markdown_table, median, percentile, time_steps, write_results
+from eval.plot import plot_decode
 
 logger = logging.getLogger("eval.bench_decode")
 
@@ -235,9 +236,10 @@ def main() -> None:
     table = header + markdown_table(rows, columns)
     print(table)
     if args.out is not None:
-        write_results(args.out, {"env": env, "preset": args.preset, "config": {k: v for k, v in preset.items()
-                                                                                if k != "shape"},
-                                 "shape": preset["shape"], "rows": rows}, table)
+        payload = {"env": env, "preset": args.preset, "config": {k: v for k, v in preset.items() if k != "shape"},
+                   "shape": preset["shape"], "rows": rows}
+        write_results(args.out, payload, table)
+        plot_decode(payload, args.out)  # PNG next to the table when matplotlib is installed
 
 
 if __name__ == "__main__":
