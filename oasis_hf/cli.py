@@ -26,7 +26,8 @@ logger = logging.getLogger("oasis_hf.cli")
 def _config(args):
     from oasis_hf import OasisConfig
 
-    fields = dict(budget_tokens=args.budget, block_size=args.block_size, selector=args.selector)
+    fields = dict(budget_tokens=args.budget, block_size=args.block_size, selector=args.selector,
+                  measure_recall=args.measure_recall)
     if args.block_size < 32:  # keep the defaults valid for small blocks
         fields.update(sink_tokens=args.block_size, recent_tokens=4 * args.block_size)
     return OasisConfig(**fields)
@@ -64,6 +65,9 @@ def _stats_line(result: dict, cache) -> str:
         parts.append(f"fetched {stats['fetched_blocks']} blocks")
         if stats["prefetch_jobs"]:
             parts.append(f"prefetch late {stats['prefetch_late']}/{stats['prefetch_jobs']}")
+        if stats["mass_recall"] is not None:
+            parts.append(f"attention mass on resident blocks {stats['mass_recall']:.3f}, oracle top-k recall "
+                         f"{stats['topk_recall']:.3f}")
     return " | ".join(parts)
 
 
@@ -196,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft", help="draft (assistant) model: packaged name, folder or Hub id")
     gen.add_argument("--block-size", type=int, default=32, help="tokens per KV block (power of two, 16..256)")
     gen.add_argument("--selector", default="lookahead", choices=sorted(SELECTORS), help="block selection policy")
+    gen.add_argument("--measure-recall", action="store_true",
+                     help="report the share of exact attention on resident blocks (slow: reads all keys back)")
     gen.set_defaults(func=cmd_generate)
 
     demo = sub.add_parser("demo", help="run a packaged model on a long retrieval prompt: dense vs OasisKV")

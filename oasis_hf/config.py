@@ -65,6 +65,11 @@ class OasisConfig:
         Run the selection jobs of asynchronous selectors (``lookahead``, ``previous-query``) on a background worker
         thread and CUDA stream. The next step of a layer waits for its job, so the output is the same with
         ``False``, which runs each job inline right after the step. Default True.
+    measure_recall : bool
+        After each decode step, compare what was resident with the step's exact attention (all keys read back from
+        host memory: slow, for evaluation). Adds ``mass_recall`` (share of the exact attention mass on resident
+        blocks) and ``topk_recall`` (share of the exact top-``S`` blocks that were resident) to the stats.
+        Default False.
     cuda_graphs : bool
         On CUDA, capture each layer's decode step (selection, delta, fetch, sparse attention) in a CUDA graph per
         forward length ``T <= 16`` and replay it: a few launches per layer instead of ~190. The first forward of
@@ -84,6 +89,7 @@ class OasisConfig:
     pin_host_memory: bool | None = None
     host_memory_headroom_bytes: int = 1 << 30
     prefetch: bool = True
+    measure_recall: bool = False
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
@@ -132,7 +138,7 @@ class OasisConfig:
             raise bad("host_capacity_tokens", self.host_capacity_tokens, "use a positive int, or None")
         if self.pin_host_memory not in (None, True, False):
             raise bad("pin_host_memory", self.pin_host_memory, "use True, False or None (auto)")
-        for name in ("prefetch", "cuda_graphs"):
+        for name in ("prefetch", "measure_recall", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, getattr(self, name), "use True or False")
         if not isinstance(self.host_memory_headroom_bytes, int) or self.host_memory_headroom_bytes < 0:

@@ -180,3 +180,20 @@ def test_jobs_run_under_the_callers_inference_mode():
             for t in range(10):
                 logits.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
     torch.testing.assert_close(torch.cat(logits[:10]), torch.cat(logits[10:]), atol=0, rtol=0)
+
+
+def test_recall_measurement():
+    """Budget covering the context: everything resident, recall 1. Small budget: oracle keeps the most mass,
+    StreamingLLM-style static the least; lookahead is measured the same way."""
+    model = tiny_model("llama", attn="oasis")
+    ids, mask = left_padded([300])
+    recall = {}
+    for selector, fields in [("lookahead", {}), ("oracle", SMALL), ("static", SMALL), ("lookahead", SMALL)]:
+        with oasis_cache(model, selector=selector, measure_recall=True, **fields) as cache:
+            generate(model, ids, mask, cache)
+            stats = cache.stats.summary()
+        assert stats["recall_steps"] == stats["decode_layer_steps"] > 0
+        assert 0 < stats["mass_recall"] <= 1 + 1e-6 and 0 < stats["topk_recall"] <= 1
+        recall[(selector, bool(fields))] = stats["mass_recall"]
+    assert recall[("lookahead", False)] == pytest.approx(1.0)
+    assert recall[("oracle", True)] > recall[("lookahead", True)] > recall[("static", True)]

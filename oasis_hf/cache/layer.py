@@ -229,9 +229,29 @@ class OasisLayer(CacheLayerMixin):
             start_src = torch.full((), start, dtype=torch.long, device=self.device)
             query_src = query
             out = self._decode_step(query, key, value, start_src, scale, write_back=False)
+        if self.config.measure_recall:
+            self._measure_recall(query, scale)
         if self.cache.selector.asynchronous:
             self._submit_job(query_src, start_src, query.shape[2], scale)
         return out
+
+    def _measure_recall(self, query: torch.Tensor, scale: float) -> None:
+        """Exact attention of this step against what was resident when it ran (synchronises; evaluation only)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the graph's host write-back has landed
+        mass = self.exact_block_mass(query, scale, None)  # (B, H_kv, NB_cap), rows summed
+        num_slots = self.config.budget_blocks
+        resident = self.table.slot_block[..., :num_slots]
+        held = torch.where(resident >= 0, mass.gather(-1, resident.clamp(min=0)), 0.0)
+        mass_recall = (held.sum(-1) / mass.sum(-1).clamp_min(1e-30)).mean()
+        top_mass, top = mass.topk(min(num_slots, mass.shape[-1]), dim=-1)
+        wanted = top_mass > 0
+        hit = (top[..., :, None] == resident[..., None, :]).any(-1) & wanted
+        topk_recall = (hit.sum(-1) / wanted.sum(-1).clamp_min(1)).float().mean()
+        stats = self.cache.stats
+        stats.recall_steps += 1
+        stats.mass_recall_sum += float(mass_recall)
+        stats.topk_recall_sum += float(topk_recall)
 
     # ------------------------------------------------------------------------------------------ selection jobs
     def _job(self, query: torch.Tensor, start: torch.Tensor, num_tokens: int, scale: float) -> None:

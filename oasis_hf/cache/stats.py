@@ -22,6 +22,9 @@ class OasisStats:
     prefetch_jobs: int = 0  # selection jobs submitted (asynchronous selectors)
     prefetch_late: int = 0  # jobs not finished on the host when their layer's next step needed them
     prefetch_stall_s: float = 0.0  # host seconds spent waiting for late jobs
+    recall_steps: int = 0  # layer-steps measured (OasisConfig.measure_recall)
+    mass_recall_sum: float = 0.0
+    topk_recall_sum: float = 0.0
     _counts: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)  # [prefilled, fetched]
     _drain: Callable[[], None] | None = field(default=None, repr=False)  # waits for outstanding jobs
 
@@ -58,4 +61,7 @@ class OasisStats:
             "initial_blocks": totals[0],
             "fetched_blocks": totals[1],
             "fetched_blocks_per_layer_step": totals[1] / max(1, self.decode_layer_steps),
+            "recall_steps": self.recall_steps,
+            "mass_recall": self.mass_recall_sum / self.recall_steps if self.recall_steps else None,
+            "topk_recall": self.topk_recall_sum / self.recall_steps if self.recall_steps else None,
         }
