@@ -71,7 +71,36 @@ def main() -> None:
                                            "pass key found"])
     print(table)
     if args.out is not None:
-        write_results(args.out, {"env": env, "args": vars(args) | {"out": str(args.out)}, "rows": rows}, table)
+        payload = {"env": env, "args": vars(args) | {"out": str(args.out)}, "rows": rows}
+        write_results(args.out, payload, table)
+        plot_recall(payload, args.out)
+
+
+def plot_recall(payload: dict, path: Path) -> Path | None:
+    """Attention mass on resident blocks against the budget, one line per method (PNG next to the table)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label, *_ in METHODS:
+        points = [(r["budget"], r["attention mass on resident"]) for r in payload["rows"] if r["method"] == label]
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("budget (tokens per sequence, KV head and layer)")
+    ax.set_ylabel("exact attention mass on resident blocks")
+    ax.set_title(f"{payload['args']['model']}, ~{payload['args']['context']}-token pass-key prompts", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = path.with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
     oasis-hf generate --prompt-file doc.txt --budget 1024 --selector lookahead --prompt-lookup 3
     oasis-hf models list | oasis-hf models assemble qwen2.5-coder-0.5b-instruct
     oasis-hf bench --preset core-8b-b8-32k        # from a source checkout (the eval/ folder)
+    oasis-hf eval --context 2000 --budgets 256 512  # attention mass on resident blocks per selector (checkout)
 
 Exit codes: 0 success, 1 an error the message explains (bad model, memory, unsupported mode), 2 bad arguments.
 """
@@ -161,15 +162,28 @@ def cmd_models(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
+def _checkout_script(module: str, rest: list[str]) -> int:
+    """Run ``eval.<module>.main()`` of a source checkout with `rest` as its arguments."""
+    import importlib
+
+    if (Path.cwd() / "eval" / f"{module}.py").exists() and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))  # console scripts do not put the working directory on the path
     try:
-        from eval import bench_decode
+        script = importlib.import_module(f"eval.{module}")
     except ImportError:
-        raise SystemExit("oasis-hf bench runs the benchmarks of a source checkout: run it from the repository "
-                         "root (where eval/ is), e.g. `oasis-hf bench --preset smoke`") from None
-    sys.argv = ["eval.bench_decode", *args.rest]
-    bench_decode.main()
+        raise SystemExit(f"this command runs eval/{module}.py of a source checkout: run it from the repository root "
+                         "(where eval/ is)") from None
+    sys.argv = [f"eval.{module}", *rest]
+    script.main()
     return 0
+
+
+def cmd_bench(args) -> int:
+    return _checkout_script("bench_decode", args.rest)
+
+
+def cmd_eval(args) -> int:
+    return _checkout_script("recall", args.rest)
 
 
 # ------------------------------------------------------------------------------------------------------ parser
@@ -219,12 +233,22 @@ def build_parser() -> argparse.ArgumentParser:
                            add_help=False)
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
+
+    evaluate = sub.add_parser("eval", help="selection quality on a real model: attention mass on resident blocks and "
+                              "pass-key retrieval per selector and budget (source checkout; `oasis-hf eval --help`)",
+                              add_help=False)
+    evaluate.add_argument("rest", nargs=argparse.REMAINDER)
+    evaluate.set_defaults(func=cmd_eval)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from oasis_hf.errors import OasisError
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    passthrough = {"bench": "bench_decode", "eval": "recall"}  # their options belong to the eval/ scripts
+    if argv and argv[0] in passthrough:
+        return _checkout_script(passthrough[argv[0]], argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:

@@ -30,7 +30,7 @@ def test_generate_on_a_tiny_model(tiny_dir, tmp_path, capsys):
 
 def test_help_explains_each_command():
     out = subprocess.run([sys.executable, "-m", "oasis_hf.cli", "--help"], capture_output=True, text=True, check=True)
-    for command in ("generate", "demo", "models", "bench"):
+    for command in ("generate", "demo", "models", "bench", "eval"):
         assert command in out.stdout
     gen = subprocess.run([sys.executable, "-m", "oasis_hf.cli", "generate", "--help"], capture_output=True,
                          text=True, check=True)
@@ -61,3 +61,10 @@ def test_passkey_prompt_is_varied_and_holds_the_key():
     assert f"pass key is {key}" in prompt
     sentences = prompt.split(".")
     assert len(set(sentences)) > 0.8 * len(sentences)  # not one repeated sentence
+
+
+def test_checkout_commands_pass_their_options_through(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    assert "--preset" in capsys.readouterr().out
