@@ -1,0 +1,95 @@
+"""The lm-eval harness model ``oasis``: transformers generation with a fresh `OasisCache` per request batch.
+
+Registration is explicit (`register_lm_eval`); the command line below registers and then runs lm-eval's own CLI,
+so every lm-eval option works as usual:
+
+    python -m oasis_hf.tasks.make --out suite --lengths 8192 16384 --samples 50      # RULER-style tasks
+    python -m oasis_hf.integrations.lm_eval --model oasis \\
+        --model_args pretrained=qwen2.5-coder-1.5b-instruct,budget=2048,draft=qwen2.5-coder-0.5b-instruct \\
+        --include_path suite --tasks oasis_ruler --batch_size 1
+
+``model_args`` (besides HFLM's own): ``budget`` (tokens, default 2048), ``selector`` (default ``lookahead``),
+``block_size`` (32), ``max_fetch_blocks`` (16), ``draft`` (packaged name / folder / Hub id of an assistant model,
+used for batch-1 requests), ``prompt_lookup`` (prompt-lookup drafts per step, 0 = off), ``dense`` (True: plain
+`DynamicCache`, the baseline under the same harness and prompts). ``pretrained`` may be a packaged model name
+(`oasis_hf.models`), which is assembled on first use. Loglikelihood requests are single forwards without a cache and
+run dense attention.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+from lm_eval.models.huggingface import HFLM
+
+from oasis_hf import _compat, models
+from oasis_hf.cache.oasis_cache import OasisCache
+from oasis_hf.config import OasisConfig
+from oasis_hf.integrations.attention import enable
+
+logger = logging.getLogger(__name__)
+
+MODEL_NAME = "oasis"
+
+
+def _bool(value) -> bool:
+    return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+
+
+class OasisLM(HFLM):
+    """HFLM whose `generate` calls run on OasisKV (or on `DynamicCache` with ``dense=True``)."""
+
+    def __init__(self, pretrained, budget: int = 2048, selector: str = "lookahead", block_size: int = 32,
+                 max_fetch_blocks: int = 16, draft: str | None = None, prompt_lookup: int = 0, dense: bool = False,
+                 **kwargs) -> None:
+        if isinstance(pretrained, str) and pretrained in models.REGISTRY:
+            path = models.assemble(pretrained)
+            pretrained, kwargs["gguf_file"] = str(path.parent), path.name
+            kwargs.setdefault("tokenizer", pretrained)
+        super().__init__(pretrained=pretrained, **kwargs)
+        self.dense = _bool(dense)
+        block_size = int(block_size)
+        fields = dict(budget_tokens=int(budget), selector=selector, block_size=block_size,
+                      max_fetch_blocks=int(max_fetch_blocks))
+        if block_size < 32:
+            fields.update(sink_tokens=block_size, recent_tokens=4 * block_size)
+        self.oasis_config = OasisConfig(**fields)  # validated even for dense runs: a typo must not pass silently
+        self.prompt_lookup = int(prompt_lookup)
+        self.draft = models.load(draft, device=str(self.device), dtype=self.model.dtype)[0] if draft else None
+        if not self.dense:
+            enable(self.model)
+
+    def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
+        if self.dense:
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        if self.draft is not None and context.shape[0] == 1:
+            generation_kwargs["assistant_model"] = self.draft
+        elif self.prompt_lookup:
+            generation_kwargs["prompt_lookup_num_tokens"] = self.prompt_lookup
+        with OasisCache(self.model.config, self.oasis_config) as cache:
+            generation_kwargs[_compat.cache_kwarg(self.model)] = cache
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+
+def register_lm_eval(name: str = MODEL_NAME) -> str:
+    """Register `OasisLM` with lm-eval under `name` (idempotent); returns the name."""
+    from lm_eval.api.registry import register_model
+
+    register_model(name)(OasisLM)
+    return name
+
+
+def main(argv: list[str] | None = None) -> None:
+    """lm-eval's command line with the ``oasis`` model registered."""
+    from lm_eval.__main__ import cli_evaluate
+
+    register_lm_eval()
+    if argv is not None:
+        sys.argv = ["lm_eval", *argv]
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+"""Long-context evaluation tasks generated locally (RULER-style), written as JSONL plus lm-eval task YAMLs."""
+
+from oasis_hf.tasks.ruler import TASKS, filler_sentences, generate, process_results, string_match_all, write_suite
+
+__all__ = ["TASKS", "filler_sentences", "generate", "process_results", "string_match_all", "write_suite"]

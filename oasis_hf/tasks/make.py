@@ -1,0 +1,37 @@
+"""Write the RULER-style suite for lm-eval: ``python -m oasis_hf.tasks.make --out suite --lengths 8192 16384``.
+
+Lengths are counted with the tokenizer of ``--tokenizer`` (a packaged model name, a folder or a Hub id).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from oasis_hf import models
+from oasis_hf.tasks.ruler import TASKS, write_suite
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", required=True, help="folder for the JSONL data and the lm-eval YAMLs")
+    parser.add_argument("--lengths", type=int, nargs="+", required=True, help="prompt lengths in tokens")
+    parser.add_argument("--samples", type=int, default=50, help="samples per task and length (default 50)")
+    parser.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=None, help="default: all")
+    parser.add_argument("--tokenizer", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from transformers import AutoTokenizer
+
+    if args.tokenizer in models.REGISTRY:
+        path = models.assemble(args.tokenizer)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    out = write_suite(args.out, tokenizer, args.lengths, args.samples, args.tasks, args.seed)
+    print(f"wrote the suite to {out}; run it with: lm_eval ... --include_path {out} --tasks oasis_ruler")
+
+
+if __name__ == "__main__":
+    main()

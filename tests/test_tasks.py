@@ -1,0 +1,74 @@
+"""The RULER-style suite: deterministic generation, answers that really are in the prompt, scoring, lm-eval."""
+
+from collections import Counter
+
+import pytest
+
+from oasis_hf.tasks import TASKS, generate, process_results, string_match_all, write_suite
+from tests._factories import tiny_model, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_generation_is_deterministic_and_answers_are_in_the_prompt(task, tok):
+    first = generate(task, 400, 3, tok, seed=1)
+    assert first == generate(task, 400, 3, tok, seed=1)
+    assert first != generate(task, 400, 3, tok, seed=2)
+    for sample in first:
+        assert 0.8 * 400 <= len(tok(sample["input"])["input_ids"]) <= 1.25 * 400
+        assert sample["outputs"] and all(o in sample["input"] for o in sample["outputs"]), sample["outputs"]
+        sentences = [s for s in sample["input"].split(".") if s.strip()]
+        assert len(set(sentences)) > 0.5 * len(sentences), "filler must be varied"
+
+
+def test_answers_are_right(tok):
+    """Checked independently of the generators: counts, chains and needles."""
+    for sample in generate("cwe", 800, 2, tok):
+        listed = [w for w in sample["input"].split("\n")[1].split() if not w.endswith(".")]
+        top = Counter(listed).most_common(11)
+        assert sorted(sample["outputs"]) == sorted(w for w, _ in top[:10]) and top[9][1] > top[10][1]
+    for sample in generate("fwe", 800, 2, tok):
+        coded = Counter(sample["input"].split("\n")[1].split()).most_common(4)
+        assert sample["outputs"] == [w for w, _ in coded[:3]] and coded[2][1] > coded[3][1]
+    for sample in generate("vt", 600, 2, tok):
+        value = sample["input"].split("assigned the value ")[1].split(",")[0]
+        assignments = [line[4:].rstrip(".").split(" = ") for line in sample["input"].replace(". ", ".\n").splitlines()
+                       if line.startswith("VAR ") and " = " in line]
+        held, changed = {value}, True
+        while changed:  # follow "VAR B = VAR A." from the first assignment
+            changed = False
+            for name, rhs in assignments:
+                if rhs.removeprefix("VAR ") in held and name not in held:
+                    held.add(name)
+                    changed = True
+        assert sorted(held - {value}) == sorted(sample["outputs"])
+
+
+def test_scoring():
+    assert string_match_all("The numbers are 123 and 456.", ["123", "456"]) == 1.0
+    assert string_match_all("only 123", ["123", "456"]) == 0.5
+    assert process_results({"outputs": ["Apple"]}, ["apple pie"]) == {"score": 100.0}
+    assert process_results({"outputs": ["x"]}, [""]) == {"score": 0.0}
+
+
+def test_lm_eval_runs_the_suite_with_the_oasis_model(tok, tmp_path):
+    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra; `pip install -e .[dev]`")
+    from lm_eval.tasks import TaskManager
+
+    from oasis_hf.integrations.lm_eval import OasisLM, register_lm_eval
+
+    suite = write_suite(tmp_path / "suite", tok, lengths=[300], num_samples=2, tasks=["niah_single", "qa"])
+    assert register_lm_eval() == "oasis"
+    model = tiny_model("llama")
+    lm = OasisLM(pretrained=model, tokenizer=tok, budget=128, block_size=16, selector="lookahead", device="cpu",
+                 batch_size=2, max_length=1024)
+    manager = TaskManager(include_path=str(suite))
+    results = lm_eval.simple_evaluate(model=lm, tasks=["oasis_ruler"], task_manager=manager, limit=2)
+    scores = results["results"]
+    for name in ("oasis_ruler_niah_single_300", "oasis_ruler_qa_300"):
+        assert 0.0 <= scores[name]["score,none"] <= 100.0
+    assert model.config._attn_implementation == "oasis"
