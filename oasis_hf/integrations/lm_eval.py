@@ -43,11 +43,14 @@ class OasisLM(HFLM):
 
     def __init__(self, pretrained, budget: int = 2048, selector: str = "lookahead", block_size: int = 32,
                  max_fetch_blocks: int = 16, draft: str | None = None, prompt_lookup: int = 0, dense: bool = False,
-                 **kwargs) -> None:
+                 draft_model=None, **kwargs) -> None:
         if isinstance(pretrained, str) and pretrained in models.REGISTRY:
+            from transformers import AutoTokenizer
+
             path = models.assemble(pretrained)
             pretrained, kwargs["gguf_file"] = str(path.parent), path.name
-            kwargs.setdefault("tokenizer", pretrained)
+            if kwargs.get("tokenizer") is None:  # HFLM would not pass gguf_file to the tokenizer
+                kwargs["tokenizer"] = AutoTokenizer.from_pretrained(pretrained, gguf_file=path.name)
         super().__init__(pretrained=pretrained, **kwargs)
         self.dense = _bool(dense)
         block_size = int(block_size)
@@ -57,7 +60,9 @@ class OasisLM(HFLM):
             fields.update(sink_tokens=block_size, recent_tokens=4 * block_size)
         self.oasis_config = OasisConfig(**fields)  # validated even for dense runs: a typo must not pass silently
         self.prompt_lookup = int(prompt_lookup)
-        self.draft = models.load(draft, device=str(self.device), dtype=self.model.dtype)[0] if draft else None
+        self.draft = draft_model  # a loaded assistant model (Python API), or `draft` loaded here (command line)
+        if draft and self.draft is None:
+            self.draft = models.load(draft, device=str(self.device), dtype=self.model.dtype)[0]
         if not self.dense:
             enable(self.model)
 
