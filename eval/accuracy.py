@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from eval._common import environment, markdown_table, write_results
+from eval.plot import plot_vs_budget
 from oasis_hf import models
 from oasis_hf.tasks import write_suite
 
@@ -98,31 +99,8 @@ def main() -> None:
 
 def plot_accuracy(payload: dict, path: Path) -> Path | None:
     """Suite average against the budget, one line per method; dense as a horizontal line."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for method in dict.fromkeys(r["method"] for r in payload["rows"]):
-        points = [(r["budget"], r["average"]) for r in payload["rows"] if r["method"] == method]
-        if points[0][0] == "full":
-            ax.axhline(points[0][1], ls="--", c="k", lw=1, label=f"{method} (full KV)")
-        else:
-            ax.plot(*zip(*points, strict=True), marker="o", label=method)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("budget (tokens per sequence, KV head and layer)")
-    ax.set_ylabel("suite average (0-100)")
-    ax.set_title(f"{payload['config']['model']}, lengths {payload['config']['lengths']}", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = path.with_suffix(".png")
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return plot_vs_budget(payload["rows"], "average", path, "suite average (0-100)",
+                          f"{payload['config']['model']}, lengths {payload['config']['lengths']}")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,36 @@ def plot_decode(payload: dict, path: Path) -> Path | None:
     return out
 
 
+def plot_vs_budget(rows: list[dict], value: str, path: Path, ylabel: str, title: str) -> Path | None:
+    """`value` against ``row["budget"]`` (log2 axis), one line per ``row["method"]``; a method whose budget is
+    ``"full"`` (dense) is drawn as a dashed horizontal line. PNG next to `path`; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        points = [(r["budget"], r[value]) for r in rows if r["method"] == method]
+        if points[0][0] == "full":
+            ax.axhline(points[0][1], ls="--", c="k", lw=1, label=f"{method} (full KV)")
+        else:
+            ax.plot(*zip(*points, strict=True), marker="o", label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("budget (tokens per sequence, KV head and layer)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = path.with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     for name in argv if argv is not None else sys.argv[1:]:
         path = Path(name)

@@ -19,6 +19,7 @@ import torch
 
 import oasis_hf
 from eval._common import environment, markdown_table, write_results
+from eval.plot import plot_vs_budget
 from oasis_hf import models
 from oasis_hf.cli import _run, passkey_prompt
 
@@ -78,29 +79,9 @@ def main() -> None:
 
 def plot_recall(payload: dict, path: Path) -> Path | None:
     """Attention mass on resident blocks against the budget, one line per method (PNG next to the table)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for label, *_ in METHODS:
-        points = [(r["budget"], r["attention mass on resident"]) for r in payload["rows"] if r["method"] == label]
-        if points:
-            ax.plot(*zip(*points, strict=True), marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("budget (tokens per sequence, KV head and layer)")
-    ax.set_ylabel("exact attention mass on resident blocks")
-    ax.set_title(f"{payload['args']['model']}, ~{payload['args']['context']}-token pass-key prompts", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = path.with_suffix(".png")
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return plot_vs_budget(payload["rows"], "attention mass on resident", path,
+                          "exact attention mass on resident blocks",
+                          f"{payload['args']['model']}, ~{payload['args']['context']}-token pass-key prompts")
 
 
 if __name__ == "__main__":
