@@ -103,6 +103,8 @@ class OasisCache(Cache):
                 first.batch_size, first.num_kv_heads, first.head_dim, cfg.block_size, first.dtype,
                 pin=pin, headroom_bytes=cfg.host_memory_headroom_bytes, growth_tokens=cfg.host_growth_tokens,
             )  # fmt: skip
+        if -(-num_tokens // self.config.block_size) > self.host.capacity_blocks:
+            self.wait()  # growing replaces the block maps that outstanding selection jobs still update
         if self.host.ensure_capacity(num_tokens, reserve_tokens=self.config.host_capacity_tokens or 0):
             for layer in self.oasis_layers:
                 layer.grow(self.host.capacity_blocks)
