@@ -79,19 +79,24 @@ def test_lookahead_selects_with_the_draft_queries():
         OasisLayer._job = original
 
 
+def slow_jobs(monkeypatch, seconds: float) -> None:
+    """Make every selection job sleep `seconds` first, so the layer's next step finds it unfinished."""
+    original = OasisLayer._job
+
+    def slow(self, *args):
+        time.sleep(seconds)
+        return original(self, *args)
+
+    monkeypatch.setattr(OasisLayer, "_job", slow)
+
+
 def test_slow_prefetcher_changes_nothing_but_late_count(monkeypatch):
     model = tiny_model("llama", attn="oasis")
     ids, mask = left_padded([260])
     with oasis_cache(model, selector="lookahead", **SMALL) as cache:
         ref = generate(model, ids, mask, cache)
         fast = cache.stats.summary()
-    original = OasisLayer._job
-
-    def slow(self, *args):
-        time.sleep(0.01)
-        return original(self, *args)
-
-    monkeypatch.setattr(OasisLayer, "_job", slow)
+    slow_jobs(monkeypatch, 0.01)
     with oasis_cache(model, selector="lookahead", **SMALL) as cache:
         out = generate(model, ids, mask, cache)
         late = cache.stats.summary()
@@ -209,13 +214,7 @@ def test_prefetch_with_host_growth_keeps_tables_consistent(monkeypatch):
         ref = generate(model, ids, mask, cache)
         grown = cache.host.capacity_blocks
     assert grown > 13  # 200 prompt tokens fill 13 blocks of 16: the store grew while decoding
-    original = OasisLayer._job
-
-    def slow(self, *args):
-        time.sleep(0.005)
-        return original(self, *args)
-
-    monkeypatch.setattr(OasisLayer, "_job", slow)
+    slow_jobs(monkeypatch, 0.005)
     with oasis_cache(model, selector="lookahead", **fields) as cache:
         out = generate(model, ids, mask, cache)
         for layer in cache.oasis_layers:
