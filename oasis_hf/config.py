@@ -61,6 +61,10 @@ class OasisConfig:
     host_memory_headroom_bytes : int
         Host memory left free when sizing the store; an allocation that would cut into it fails up front with
         `HostMemoryError`. Default 1 GiB.
+    host_memory_limit_bytes : int | None
+        Most bytes the host store may hold. When set, allocations are checked against it instead of the OS's
+        available memory (and the headroom): use it to cap a cache, or on machines whose memory grows on demand
+        (ballooned VMs report too little available memory up front). ``None`` (default) asks the OS.
     prefetch : bool
         Run the selection jobs of asynchronous selectors (``lookahead``, ``previous-query``) on a background worker
         thread and CUDA stream. The next step of a layer waits for its job, so the output is the same with
@@ -88,6 +92,7 @@ class OasisConfig:
     host_growth_tokens: int = 4096
     pin_host_memory: bool | None = None
     host_memory_headroom_bytes: int = 1 << 30
+    host_memory_limit_bytes: int | None = None
     prefetch: bool = True
     measure_recall: bool = False
     cuda_graphs: bool = True
@@ -143,6 +148,11 @@ class OasisConfig:
                 raise bad(name, getattr(self, name), "use True or False")
         if not isinstance(self.host_memory_headroom_bytes, int) or self.host_memory_headroom_bytes < 0:
             raise bad("host_memory_headroom_bytes", self.host_memory_headroom_bytes, "use a non-negative int")
+        if self.host_memory_limit_bytes is not None and (
+            not isinstance(self.host_memory_limit_bytes, int) or isinstance(self.host_memory_limit_bytes, bool)
+            or self.host_memory_limit_bytes <= 0
+        ):
+            raise bad("host_memory_limit_bytes", self.host_memory_limit_bytes, "use a positive int, or None")
 
     # Derived sizes, in blocks.
     @property

@@ -10,13 +10,19 @@ class OasisError(RuntimeError):
 class HostMemoryError(OasisError, MemoryError):
     """The host store cannot be allocated: raised before anything is allocated."""
 
-    def __init__(self, needed: int, available: int, headroom: int, held_tokens: int) -> None:
+    def __init__(self, needed: int, available: int, headroom: int, held_tokens: int, limited: bool = False) -> None:
         self.needed, self.available, self.headroom = needed, available, headroom
+        if limited:
+            where = "is left under OasisConfig.host_memory_limit_bytes"
+            fix = "raise OasisConfig.host_memory_limit_bytes"
+        else:
+            where = f"is available, keeping {headroom / 2**30:.2f} GiB headroom"
+            fix = ("lower OasisConfig.host_memory_headroom_bytes, or set OasisConfig.host_memory_limit_bytes where "
+                   "the OS under-reports memory that grows on demand")
         super().__init__(
             f"OasisCache host store needs {needed / 2**30:.2f} GiB more host memory ({needed} bytes) but only "
-            f"{available / 2**30:.2f} GiB ({available} bytes) is available, keeping "
-            f"{headroom / 2**30:.2f} GiB headroom (it holds {held_tokens} tokens per sequence now). Lower the batch "
-            "size or context length, lower OasisConfig.host_memory_headroom_bytes, or add host memory."
+            f"{available / 2**30:.2f} GiB ({available} bytes) {where} (it holds {held_tokens} tokens per sequence "
+            f"now). Lower the batch size or context length, {fix}, or add host memory."
         )
 
 

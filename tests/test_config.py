@@ -21,6 +21,7 @@ BAD = [
     ("host_growth_tokens", 0, "positive"),
     ("pin_host_memory", "yes", "True, False or None"),
     ("host_memory_headroom_bytes", -5, "non-negative"),
+    ("host_memory_limit_bytes", 0, "positive int"),
     ("cuda_graphs", 1, "True or False"),
 ]
 

@@ -165,6 +165,20 @@ def test_impossible_host_allocation_fails_before_work():
     assert cache.host.capacity_blocks == 0  # nothing was allocated
 
 
+def test_host_memory_limit_caps_the_store_and_names_the_setting():
+    model = tiny_model("llama", attn="oasis")
+    ids, mask = left_padded([100])
+    cache = oasis_cache(model, host_growth_tokens=32, host_memory_limit_bytes=1 << 20)
+    generate(model, ids, mask, cache)  # 2 layers x 128 tokens x 2 KV heads x head_dim x fp32 fits in 1 MiB
+    held = cache.host_nbytes()
+    assert 0 < held <= 1 << 20
+    small = oasis_cache(model, host_memory_limit_bytes=held // 2)
+    with pytest.raises(HostMemoryError, match="host_memory_limit_bytes") as err:
+        generate(model, ids, mask, small)
+    assert err.value.available == held // 2
+    assert small.host.capacity_blocks == 0
+
+
 def test_model_without_oasis_attention_is_caught():
     model = tiny_model("llama", attn="sdpa")
     ids, mask = left_padded([40])

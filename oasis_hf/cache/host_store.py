@@ -3,7 +3,9 @@
 Layout per layer and segment: ``(B, H_kv, NB_seg, BS, D)``, so one (sequence, head, block) is one contiguous run of
 ``BS * D`` elements (one row for the gather kernel). The store grows by appending segments (each at least half the
 current capacity): tokens already written are never copied again. Memory is pinned when CUDA is present, so the GPU
-reads (fetch) and writes (write-back) it directly with `copy_rows`.
+reads (fetch) and writes (write-back) it directly with `copy_rows`. A segment is one buffer page-locked at its exact
+size (`PinnedBuffer`), not PyTorch's power-of-two-rounded pinned allocations, and every GPU of the process can
+address it (a model split across GPUs shares one store).
 
 An allocation is checked against the free host memory *before* it is made, for all layers at once, and fails with
 `HostMemoryError` naming the bytes needed and available.
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from oasis_hf.cache.pinned import PinnedBuffer
 from oasis_hf.errors import HostMemoryError
 from oasis_hf.kernels import copy_rows, copy_rows_ref
 
@@ -31,8 +34,9 @@ _MEMO_MAX_TOKENS = 64
 class _Segment:
     start_block: int
     num_blocks: int
-    keys: dict[int, torch.Tensor]  # layer_idx -> (B, H_kv, NB_seg, BS, D)
+    keys: dict[int, torch.Tensor]  # layer_idx -> (B, H_kv, NB_seg, BS, D), views of `buffer`
     values: dict[int, torch.Tensor]
+    buffer: PinnedBuffer
 
 
 class HostKVStore:
@@ -46,6 +50,8 @@ class HostKVStore:
     pin : pin the memory (required for GPU zero-copy access).
     headroom_bytes : host memory that must stay free after an allocation.
     growth_tokens : smallest growth step.
+    limit_bytes : most bytes the store may hold; when given it replaces the check against the OS's available memory
+        (which under-reports on machines whose memory grows on demand, e.g. ballooned VMs).
     """
 
     def __init__(
@@ -59,11 +65,13 @@ class HostKVStore:
         pin: bool,
         headroom_bytes: int,
         growth_tokens: int,
+        limit_bytes: int | None = None,
     ) -> None:
         self.layer_ids = list(layer_ids)
         self.batch_size, self.num_kv_heads, self.head_dim = batch_size, num_kv_heads, head_dim
         self.block_size, self.dtype, self.pin = block_size, dtype, pin
         self.headroom_bytes = headroom_bytes
+        self.limit_bytes = limit_bytes
         self.growth_blocks = max(1, growth_tokens // block_size)
         self.segments: list[_Segment] = []
         self.capacity_blocks = 0
@@ -92,28 +100,31 @@ class HostKVStore:
         return True
 
     def _allocate_segment(self, num_blocks: int) -> None:
-        nbytes = num_blocks * self.bytes_per_block() * len(self.layer_ids)
-        available = psutil.virtual_memory().available
-        if nbytes + self.headroom_bytes > available:
-            raise HostMemoryError(nbytes, available, self.headroom_bytes, self.capacity_blocks * self.block_size)
+        per_tensor = num_blocks * self.bytes_per_block() // 2
+        nbytes = 2 * per_tensor * len(self.layer_ids)
+        held = self.capacity_blocks * self.block_size
+        if self.limit_bytes is not None:
+            available, headroom = max(0, self.limit_bytes - self.nbytes), 0
+        else:
+            available, headroom = psutil.virtual_memory().available, self.headroom_bytes
+        if nbytes + headroom > available:
+            raise HostMemoryError(nbytes, available, headroom, held, limited=self.limit_bytes is not None)
         shape = (self.batch_size, self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
-        keys: dict[int, torch.Tensor] = {}
-        values: dict[int, torch.Tensor] = {}
         try:
-            for layer in self.layer_ids:
-                keys[layer] = torch.empty(shape, dtype=self.dtype, pin_memory=self.pin)
-                values[layer] = torch.empty(shape, dtype=self.dtype, pin_memory=self.pin)
-        except (RuntimeError, MemoryError) as exc:  # cudaHostAlloc / malloc refused: give back what we took
-            keys.clear()
-            values.clear()
-            held = self.capacity_blocks * self.block_size
-            raise HostMemoryError(nbytes, available, self.headroom_bytes, held) from exc
-        self.segments.append(_Segment(self.capacity_blocks, num_blocks, keys, values))
+            buffer = PinnedBuffer(nbytes, pin=self.pin)
+        except (RuntimeError, MemoryError) as exc:  # malloc or cudaHostRegister refused: nothing is kept
+            raise HostMemoryError(nbytes, available, headroom, held, limited=self.limit_bytes is not None) from exc
+        keys = {layer: buffer.view(2 * i * per_tensor, shape, self.dtype) for i, layer in enumerate(self.layer_ids)}
+        values = {layer: buffer.view((2 * i + 1) * per_tensor, shape, self.dtype)
+                  for i, layer in enumerate(self.layer_ids)}
+        self.segments.append(_Segment(self.capacity_blocks, num_blocks, keys, values, buffer))
         self.capacity_blocks += num_blocks
         logger.debug("host store: +%d blocks (%.1f MiB, pinned=%s)", num_blocks, nbytes / 2**20, self.pin)
 
     def release(self) -> None:
         """Free all host memory (the store can grow again afterwards)."""
+        for seg in self.segments:
+            seg.buffer.release()
         self.segments.clear()
         self.capacity_blocks = 0
 

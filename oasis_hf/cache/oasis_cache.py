@@ -102,6 +102,7 @@ class OasisCache(Cache):
                 [layer.layer_idx for layer in self.oasis_layers],
                 first.batch_size, first.num_kv_heads, first.head_dim, cfg.block_size, first.dtype,
                 pin=pin, headroom_bytes=cfg.host_memory_headroom_bytes, growth_tokens=cfg.host_growth_tokens,
+                limit_bytes=cfg.host_memory_limit_bytes,
             )  # fmt: skip
         if -(-num_tokens // self.config.block_size) > self.host.capacity_blocks:
             self.wait()  # growing replaces the block maps that outstanding selection jobs still update
@@ -176,7 +177,7 @@ class OasisCache(Cache):
         device = keys.device
         stream = self._writeback_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))  # K/V of this step exist before we read them
-        with torch.cuda.stream(stream):
+        with torch.cuda.device(device), torch.cuda.stream(stream):
             host.write(layer.layer_idx, keys, values, start)
             event = torch.cuda.Event()
             event.record(stream)
