@@ -35,12 +35,19 @@ def environment() -> dict:
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
         env["cuda"] = torch.version.cuda
+        env["gpus"] = torch.cuda.device_count()
     try:
         env["git_sha"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                         check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         env["git_sha"] = None
     return env
+
+
+def synchronize() -> None:
+    """Wait for every visible GPU (a model split across GPUs ends a step on its last one)."""
+    for index in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(index)
 
 
 def time_steps(step, warmup: int, repeats: int, enqueue_ms: list[float] | None = None) -> list[float]:
@@ -53,13 +60,11 @@ def time_steps(step, warmup: int, repeats: int, enqueue_ms: list[float] | None =
         step()
     times = []
     for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        synchronize()
         t0 = time.perf_counter()
         step()
         t1 = time.perf_counter()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
         if enqueue_ms is not None:
             enqueue_ms.append((t1 - t0) * 1e3)

@@ -163,7 +163,7 @@ class Prefetcher:
 
     def _execute(self, ticket: Ticket) -> None:
         if self.stream is not None:
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 self.stream.wait_event(ticket.ready)
                 ticket.fn()
                 ticket.finished = torch.cuda.Event()

@@ -45,6 +45,9 @@ def oasis_attention(
         return out, None
     if dropout:
         raise UnsupportedError("OasisCache is for inference: attention dropout must be 0 (call model.eval())")
+    if query.is_cuda:  # a model split across GPUs runs this layer on its own device, whatever the current one is
+        with torch.cuda.device(query.device):
+            return layer.attend(query, key, value, attention_mask, scale), None
     return layer.attend(query, key, value, attention_mask, scale), None
 
 
