@@ -46,7 +46,9 @@ def split_by_layers(model, devices: list[str]):
     device_map.update({"model.norm": devices[-1], "lm_head": devices[-1]})
     for i in range(layers):
         device_map[f"model.layers.{i}"] = devices[i * len(devices) // layers]
-    return dispatch_model(model, device_map=device_map), device_map
+    # main_device: modules mapped to "cpu" compute there (accelerate would otherwise treat them as offloaded
+    # weights and run them on the first GPU).
+    return dispatch_model(model, device_map=device_map, main_device=devices[0]), device_map
 
 
 def layer_devices(model) -> list[torch.device]:
@@ -98,17 +100,23 @@ def fill_random_kv(model, cache, batch: int, context: int, dtype, seed: int = 0)
             torch.cuda.synchronize(device)  # the write-back of this layer is done: its K/V memory can be reused
 
 
-@torch.inference_mode()
-def run_method(model, label: str, make_cache, batch: int, context: int, dtype, warmup: int, repeats: int) -> dict:
+def release_memory() -> None:
+    """Return the previous method's cached GPU blocks, so free memory (and the batch that fits) is what is left."""
     gc.collect()
     for index in range(torch.cuda.device_count()):
         with torch.cuda.device(index):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+
+
+@torch.inference_mode()
+def run_method(model, label: str, make_cache, batch: int, context: int, dtype, warmup: int, repeats: int) -> dict:
+    release_memory()
     cache = make_cache()
     t0 = time.perf_counter()
     fill_random_kv(model, cache, batch, context, dtype)
     fill_s = time.perf_counter() - t0
+    logger.info("  KV filled in %.1f s; timing %d + %d steps", fill_s, warmup, repeats)
     first = layer_devices(model)[0]
     token = torch.randint(0, model.config.vocab_size, (batch, 1), device=first)
 
@@ -152,7 +160,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None, help="results path without suffix (.md and .json written)")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if not torch.cuda.is_available():
         parser.error("needs CUDA GPUs (this benchmark splits the model over them)")
     gpus = args.gpus or torch.cuda.device_count()
@@ -163,6 +171,7 @@ def main() -> None:
     rows = []
     for context in args.contexts:
         capacity = -(-(context + 64) // 32) * 32
+        release_memory()
         dense_batch = dense_max_batch(model, shape, context, dtype, args.margin_gib)
         oasis_batch = oasis_max_batch(shape, context, capacity, dtype, args.host_gib)
         if args.max_batch:
@@ -172,6 +181,8 @@ def main() -> None:
         dense = run_method(model, "dense DynamicCache (sdpa)", lambda: DynamicCache(config=model.config),
                            dense_batch, context, dtype, args.warmup, args.repeats)
         rows.append(dense)
+        dense["tokens/s vs dense"] = dense["GPU KV vs dense"] = 1.0
+        report(args, devices, shape, dtype, rows)
         model.set_attn_implementation("oasis")
         for selector in args.selectors:
             cfg = oasis_hf.OasisConfig(budget_tokens=args.budget, selector=selector, host_capacity_tokens=capacity,
@@ -181,21 +192,21 @@ def main() -> None:
             row = run_method(model, label, lambda cfg=cfg: oasis_hf.OasisCache(model.config, cfg), oasis_batch,
                              context, dtype, args.warmup, args.repeats)
             rows.append(row)
-        for row in rows:
-            if row["context"] == context:
-                row["tokens/s vs dense"] = row["tokens/s"] / dense["tokens/s"]
-                row["GPU KV vs dense"] = row["GPU KV MiB/seq"] / dense["GPU KV MiB/seq"]
+            row["tokens/s vs dense"] = row["tokens/s"] / dense["tokens/s"]
+            row["GPU KV vs dense"] = row["GPU KV MiB/seq"] / dense["GPU KV MiB/seq"]
+            report(args, devices, shape, dtype, rows)  # after every row: a run cut short keeps what it measured
+def report(args, devices: list[str], shape: dict, dtype, rows: list[dict]) -> None:
     columns = ["method", "context", "batch", "ms/step (median)", "ms/step (p90)", "tokens/s", "tokens/s vs dense",
                "host enqueue ms/step", "GPU KV MiB/seq", "GPU KV vs dense", "host MiB/seq",
                "fetched blocks/layer-step", "KV fill s"]
     env = environment()
-    header = (f"Test configuration: {gpus} x {env.get('gpu')}, layers split with accelerate device_map, torch "
+    header = (f"Test configuration: {len(devices)} x {env.get('gpu')}, layers split with accelerate device_map, torch "
               f"{env['torch']}, transformers {env['transformers']}, triton {env['triton']}; random-weight Llama shape "
               f"{shape['num_hidden_layers']}L/{shape['num_key_value_heads']}kv, {dtype}; KV filled with random "
               f"values (no prefill forward); largest batch per method (dense: GPU memory; OasisKV: {args.host_gib} "
               f"GiB pinned host); budget {args.budget}; `{env['command']}`\n\n")
     table = header + markdown_table(rows, columns)
-    print(table)
+    print(table, flush=True)
     if args.out is not None:
         payload = {"env": env, "config": vars(args) | {"out": str(args.out), "devices": devices}, "shape": shape,
                    "rows": rows}

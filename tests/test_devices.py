@@ -23,7 +23,9 @@ def _split(model, devices):
     device_map.update({"model.norm": devices[-1], "lm_head": devices[-1]})
     for i in range(LAYERS):
         device_map[f"model.layers.{i}"] = devices[i * len(devices) // LAYERS]
-    return dispatch_model(model, device_map=device_map)
+    # main_device: modules mapped to "cpu" compute there (accelerate would otherwise treat them as offloaded
+    # weights and run them on the first GPU).
+    return dispatch_model(model, device_map=device_map, main_device=devices[0])
 
 
 def _generate(model, cache, ids, mask, new=24):
@@ -84,5 +86,6 @@ def test_host_store_is_pinned_at_its_exact_size():
     assert segment.buffer.pinned and segment.buffer.data.is_pinned()
     assert segment.buffer.data.numel() == cache.host_nbytes()
     assert all(t.is_pinned() and t.data_ptr() >= segment.buffer.data.data_ptr() for t in segment.keys.values())
-    cache.reset()
+    with torch.inference_mode():  # the cache's tensors are inference tensors
+        cache.reset()
     assert not segment.buffer.data.is_pinned()  # unregistered when released
