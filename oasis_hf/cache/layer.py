@@ -65,6 +65,8 @@ class OasisLayer(CacheLayerMixin):
         self._aranges: dict[int, torch.Tensor] = {}
         self._bh: tuple[torch.Tensor, torch.Tensor] | None = None
         self._graphs: dict[int, _StepGraph] = {}  # T -> captured decode step (CUDA)
+        self._job_graphs: dict[int, _JobGraph] = {}  # T -> captured selection job (asynchronous selectors)
+        self._job_warm: set[int] = set()
         self._warm: set[int] = set()  # T values whose step already ran eagerly on the capture stream
 
     # ------------------------------------------------------------------------------------------ HF layer API
@@ -154,6 +156,7 @@ class OasisLayer(CacheLayerMixin):
         if self._ticket is not None:
             self._await_job()
         self._graphs.clear()  # the next prefill sets a new kv_start tensor
+        self._job_graphs.clear()
         self.length = 0
         self._pending = None
         self.kv_start = None
@@ -168,6 +171,7 @@ class OasisLayer(CacheLayerMixin):
         """Address `capacity_blocks` logical blocks (called when the host store grows)."""
         if self.is_initialized:
             self._graphs.clear()  # captured steps address the old tables and host segments
+            self._job_graphs.clear()
             self.table.grow(capacity_blocks)
             self.summaries.grow(capacity_blocks)
 
@@ -224,15 +228,15 @@ class OasisLayer(CacheLayerMixin):
             torch.cuda.current_stream(self.device).wait_event(self.writeback_event)
             self.writeback_event = None  # later work on this stream stays ordered after the wait
         if self._deferred_write:
-            out, query_src, start_src = self._run_graph(query, key, value, scale, start)
+            out, query_src, start_src, graphed = self._run_graph(query, key, value, scale, start)
         else:
             start_src = torch.full((), start, dtype=torch.long, device=self.device)
-            query_src = query
+            query_src, graphed = query, False
             out = self._decode_step(query, key, value, start_src, scale, write_back=False)
         if self.config.measure_recall:
             self._measure_recall(query, scale)
         if self.cache.selector.asynchronous:
-            self._submit_job(query_src, start_src, query.shape[2], scale)
+            self._submit_job(query_src, start_src, query.shape[2], scale, graphed)
         return out
 
     def _measure_recall(self, query: torch.Tensor, scale: float) -> None:
@@ -268,16 +272,33 @@ class OasisLayer(CacheLayerMixin):
         self.cache.host.fetch(self.layer_idx, blocks, self.pool_k, self.pool_v, slots, valid, cfg.kernel_backend)
         self.cache.stats.record_fetched(valid)
 
-    def _submit_job(self, query: torch.Tensor, start: torch.Tensor, num_tokens: int, scale: float) -> None:
+    def _submit_job(self, query, start, num_tokens: int, scale: float, graphed: bool) -> None:
+        """Run (prefetch off) or queue (prefetch on) this step's selection job. `graphed`: the step was a graph
+        replay, so `query`/`start` are its static buffers and the job can be a captured graph as well."""
         self.cache.stats.prefetch_jobs += 1
+        run = self._job_runner(query, start, num_tokens, scale, graphed)
         if not self.config.prefetch:
-            self._job(query, start, num_tokens, scale)
+            run()
             return
         prefetcher = self.cache._prefetcher(self.device)
         if prefetcher.stream is not None:  # the worker stream reads these after the caller may free them
             query.record_stream(prefetcher.stream)
             start.record_stream(prefetcher.stream)
-        self._ticket = prefetcher.submit(lambda: self._job(query, start, num_tokens, scale))
+        self._ticket = prefetcher.submit(run)
+
+    def _job_runner(self, query, start, num_tokens: int, scale: float, graphed: bool):
+        """A callable doing the job: eager, or the replay of the job captured for this ``T`` (first graphed job of
+        a ``T`` eager, the second captures; a replay costs ~10 us of host time instead of ~60 launches)."""
+        if not graphed:
+            return lambda: self._job(query, start, num_tokens, scale)
+        graph = self._job_graphs.get(num_tokens)
+        if graph is None or graph.scale != scale:
+            if num_tokens not in self._job_warm:
+                self._job_warm.add(num_tokens)
+                return lambda: self._job(query, start, num_tokens, scale)
+            self.cache.wait()  # nothing in flight on the worker while capturing
+            graph = self._job_graphs[num_tokens] = _JobGraph(self, query, start, num_tokens, scale)
+        return graph.graph.replay
 
     def _await_job(self) -> None:
         """Wait (host, then stream) for this layer's outstanding selection job; count it late if unfinished."""
@@ -370,11 +391,12 @@ class OasisLayer(CacheLayerMixin):
                 compute.wait_stream(stream)
                 for tensor in (out, query, start_t):
                     tensor.record_stream(compute)
-                return out, query, start_t
+                return out, query, start_t, False
             self.cache.wait()  # no selection job in flight while capturing (its stream must not touch our state)
             graph = self._graphs[num_tokens] = _StepGraph(self, query, key, value, scale, stream)
+            self._job_graphs.pop(num_tokens, None)  # a job graph reads the old step graph's buffers
         self.cache.stats.graph_replays += 1
-        return graph.run(query, key, value, start), graph.query, graph.start
+        return graph.run(query, key, value, start), graph.query, graph.start, True
 
     # ------------------------------------------------------------------------------------------ helpers
     def _arange(self, n: int) -> torch.Tensor:
@@ -490,7 +512,7 @@ class _StepGraph:
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             # thread_local: the prefetch worker may call the CUDA API (allocations) on its own stream meanwhile.
-            self.graph.capture_begin(pool=layer.cache._graph_pool(device), capture_error_mode="thread_local")
+            self.graph.capture_begin(pool=layer.cache._graph_pool(device, "step"), capture_error_mode="thread_local")
             try:
                 self.out = layer._decode_step(self.query, self.key, self.value, self.start, scale, write_back=True)
             finally:
@@ -505,3 +527,25 @@ class _StepGraph:
         self.start.fill_(start)  # a fill kernel with the value as argument: no host buffer to race with
         self.graph.replay()
         return self.out.clone()
+
+
+class _JobGraph:
+    """`OasisLayer._job` for one ``T``, captured reading the step graph's static query and start buffers.
+
+    Replayed on the prefetch worker's stream (or inline). It has its own memory pool, shared with the other layers'
+    job graphs only: jobs run one after another on the worker stream but concurrently with the step graphs.
+    """
+
+    def __init__(self, layer: OasisLayer, query, start, num_tokens: int, scale: float) -> None:
+        device = self.device = layer.device
+        self.scale = scale
+        stream = layer.cache._capture_stream(device)
+        self.graph = torch.cuda.CUDAGraph()
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            self.graph.capture_begin(pool=layer.cache._graph_pool(device, "job"), capture_error_mode="thread_local")
+            try:
+                layer._job(query, start, num_tokens, scale)
+            finally:
+                self.graph.capture_end()
+        torch.cuda.current_stream(device).wait_stream(stream)

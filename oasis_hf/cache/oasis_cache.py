@@ -149,14 +149,16 @@ class OasisCache(Cache):
             self._capture_streams[device] = torch.cuda.Stream(device)
         return self._capture_streams[device]
 
-    def _graph_pool(self, device: torch.device):
-        """The private memory pool the layers' graphs on `device` share (they replay one after another).
+    def _graph_pool(self, device: torch.device, kind: str):
+        """The private memory pool the layers' graphs of `kind` on `device` share: ``"step"`` graphs replay one
+        after another on the compute stream, ``"job"`` graphs one after another on the prefetch stream; the two
+        kinds run concurrently, so they never share.
 
         Taken from a live graph: once every graph of a pool is gone (after `grow` or `reset`) the allocator retires
         the pool, so a new one is started then.
         """
         for layer in self._oasis_layers:
-            for graph in layer._graphs.values():
+            for graph in (layer._graphs if kind == "step" else layer._job_graphs).values():
                 if graph.device == device:
                     return graph.graph.pool()
         return torch.cuda.graph_pool_handle()
