@@ -42,6 +42,10 @@ PRESETS = {
                                 selectors=["current-query", "lookahead", "static"],
                                 extra=[("lookahead", dict(prefetch=False), "selection jobs inline")],
                                 floor_context=None, offload=True, warmup=3, repeats=20),
+    # Performance issue: one long sequence, where dense reads 16 GiB of KV per step and OasisKV 256 MiB.
+    "b1-128k": dict(shape=LLAMA_8B, batch=1, context=130560, host_capacity=131072, budget=2048,
+                    selectors=["current-query", "static"], extra=[], floor_context=None, offload=False, warmup=3,
+                    repeats=20),
     "smoke": dict(shape=TINY, batch=2, context=1000, host_capacity=None, budget=256,
                   selectors=["current-query", "lookahead", "static"], extra=[], floor_context=None, offload=False,
                   warmup=1, repeats=5),

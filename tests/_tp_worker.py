@@ -1,4 +1,5 @@
-"""One rank of the tensor-parallel test (run by torch.distributed.run with the gloo backend on CPU)."""
+"""One rank of the tensor-parallel test, run by torch.distributed.run: gloo on CPU; NCCL, one GPU per rank, where
+transformers finds CUDA (it picks the backend and device)."""
 
 import json
 import sys
@@ -19,6 +20,7 @@ def main(model_dir: str, out_dir: str, budget: int) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=torch.float32)
     oasis_hf.enable(model)
     ids, mask = left_padded([150, 97])
+    ids, mask = ids.to(model.device), mask.to(model.device)  # cuda:<rank> under NCCL, cpu under gloo
     cache = oasis_cache(model, budget_tokens=budget)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12,
@@ -26,6 +28,7 @@ def main(model_dir: str, out_dir: str, budget: int) -> None:
     layers = cache.oasis_layers
     report = {
         "tokens": out.tolist(),
+        "device": str(cache.oasis_layers[0].pool_k.device),
         "kv_heads": [layer.num_kv_heads for layer in layers],
         "slots": [layer.pool_k.shape[2] for layer in layers],
         "max_resident": [int(layer.table.resident_count().max()) for layer in layers],

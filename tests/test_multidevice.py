@@ -1,4 +1,5 @@
-"""OasisCache under transformers tensor parallelism: 2 processes, gloo on CPU, KV heads sharded across ranks."""
+"""OasisCache under transformers tensor parallelism: 2 processes, KV heads sharded across ranks (gloo on CPU; on a
+machine with two GPUs transformers runs the ranks on NCCL, one GPU each)."""
 
 import json
 import os
@@ -24,6 +25,8 @@ def test_two_process_tensor_parallel_matches_single_process(tmp_path, budget):
         single = oasis.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12,
                                 do_sample=False, pad_token_id=0)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    if torch.cuda.device_count() < 2:  # one GPU cannot host two NCCL ranks: run both on the CPU with gloo
+        env["CUDA_VISIBLE_DEVICES"] = ""
     worker = Path(__file__).with_name("_tp_worker.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(worker), str(tmp_path / "model"), str(tmp_path), str(budget)]
@@ -32,6 +35,8 @@ def test_two_process_tensor_parallel_matches_single_process(tmp_path, budget):
     for rank in range(2):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert report["world"] == 2
+        if torch.cuda.device_count() >= 2:  # transformers ran the ranks on NCCL, one GPU each
+            assert report["device"] == f"cuda:{rank}"
         assert report["kv_heads"] == [1, 1]  # each rank's pools hold its shard of the KV heads
         assert report["slots"] == [budget // 16] * 2 and max(report["max_resident"]) <= budget // 16
         assert torch.equal(torch.tensor(report["tokens"]), single), f"rank {rank} differs from one process"
