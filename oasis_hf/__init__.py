@@ -6,7 +6,14 @@ attention runs exactly over them. Importing this package registers nothing: call
 
 from oasis_hf.cache.oasis_cache import OasisCache
 from oasis_hf.config import OasisConfig
-from oasis_hf.errors import DeviceMemoryError, HostMemoryError, OasisError, PrefetchError, UnsupportedError
+from oasis_hf.errors import (
+    DeviceMemoryError,
+    HostMemoryError,
+    OasisError,
+    PrefetchError,
+    RemoteTierError,
+    UnsupportedError,
+)
 from oasis_hf.integrations.attention import ATTENTION_NAME, enable, oasis_attention, register
 from oasis_hf.pipelines import OasisTextGenerationPipeline, text_generation_pipeline
 from oasis_hf.speculative import SpeculativeOutput, SpeculativeStats, speculative_generate
@@ -22,6 +29,7 @@ __all__ = [
     "OasisError",
     "OasisTextGenerationPipeline",
     "PrefetchError",
+    "RemoteTierError",
     "SpeculativeOutput",
     "SpeculativeStats",
     "UnsupportedError",

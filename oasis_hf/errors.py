@@ -36,3 +36,7 @@ class UnsupportedError(OasisError, ValueError):
 
 class PrefetchError(OasisError):
     """The background prefetch worker failed; the cache that owns it cannot continue."""
+
+
+class RemoteTierError(OasisError):
+    """The remote KV tier (Mooncake Store) failed, timed out, or lost a block; the request cannot continue."""

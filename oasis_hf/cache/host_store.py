@@ -54,6 +54,8 @@ class HostKVStore:
         (which under-reports on machines whose memory grows on demand, e.g. ballooned VMs).
     """
 
+    capturable_fetch = True  # `fetch` is device work only: a selection job that calls it can be a CUDA graph
+
     def __init__(
         self,
         layer_ids: list[int],
@@ -120,6 +122,17 @@ class HostKVStore:
         self.segments.append(_Segment(self.capacity_blocks, num_blocks, keys, values, buffer))
         self.capacity_blocks += num_blocks
         logger.debug("host store: +%d blocks (%.1f MiB, pinned=%s)", num_blocks, nbytes / 2**20, self.pin)
+
+    def note_step(self, layer: int, end: int) -> None:
+        """Hook for stores that track sequence progress from the host (`RemoteBlockStore`); nothing to do here."""
+
+    def truncate(self, layer: int, length: int) -> None:
+        """Hook for stores that cache completed blocks (`RemoteBlockStore`); rows past `length` are simply
+        overwritten here."""
+
+    def close(self) -> None:
+        """Free the host memory (as `release`)."""
+        self.release()
 
     def release(self) -> None:
         """Free all host memory (the store can grow again afterwards)."""

@@ -146,6 +146,8 @@ class OasisLayer(CacheLayerMixin):
             return
         self._await_job()  # the job rewrites the table that crop edits
         self.length = max(0, self.length + tokens_to_remove)
+        if self.cache.host is not None:
+            self.cache.host.truncate(self.layer_idx, self.length)
         self._pending = None
         if self.length == 0:
             self.reset()
@@ -166,6 +168,22 @@ class OasisLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise UnsupportedError("OasisCache does not support beam search; use greedy or sampling (num_beams=1)")
+
+    def restore(self, state: dict, device: torch.device) -> None:
+        """Initialise from a published prefill state (`oasis_hf.remote.publish`) instead of a prefill forward: the
+        tables, summaries, padding starts and length; the pool stays empty until the caller fetches the resident
+        blocks into it (their slots are in the table)."""
+        batch, heads, head_dim = state["batch_size"], state["num_kv_heads"], state["head_dim"]
+        dtype = getattr(torch, state["dtype"])
+        dummy = torch.empty(batch, heads, 0, head_dim, dtype=dtype, device=device)
+        self.lazy_initialization(dummy, dummy)
+        capacity = state["block_slot"].shape[-1]
+        self.table.block_slot[..., :capacity] = state["block_slot"].to(device)
+        self.table.slot_block.copy_(state["slot_block"].to(device))
+        self.table.slot_score.copy_(state["slot_score"].to(device))
+        self.summaries.data[..., :capacity, :] = state["summaries"].to(device)
+        self.kv_start = state["kv_start"].to(device)
+        self.length = state["length"]
 
     def grow(self, capacity_blocks: int) -> None:
         """Address `capacity_blocks` logical blocks (called when the host store grows)."""
@@ -276,7 +294,8 @@ class OasisLayer(CacheLayerMixin):
         """Run (prefetch off) or queue (prefetch on) this step's selection job. `graphed`: the step was a graph
         replay, so `query`/`start` are its static buffers and the job can be a captured graph as well."""
         self.cache.stats.prefetch_jobs += 1
-        run = self._job_runner(query, start, num_tokens, scale, graphed)
+        self.cache.host.note_step(self.layer_idx, self.length)
+        run = self._job_runner(query, start, num_tokens, scale, graphed and self.cache.host.capturable_fetch)
         if not self.config.prefetch:
             run()
             return

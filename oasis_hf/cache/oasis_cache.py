@@ -130,6 +130,8 @@ class OasisCache(Cache):
             self.wait()
         finally:
             _close_all(self._prefetchers)
+            if self.host is not None and not self.host.capturable_fetch:  # remote tier: the request is finished
+                self.host.close()
 
     def __enter__(self) -> OasisCache:
         return self

@@ -1,0 +1,133 @@
+"""Remote KV tier on Mooncake Store: prefill in one process, decode in another, faults, cleanup (CPU, loopback)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from oasis_hf import PrefetchError, RemoteTierError, UnsupportedError
+from oasis_hf.remote import MooncakeCluster, MooncakeTier, attach, mooncake_available
+from tests._factories import oasis_cache, tiny_model
+from tests._remote_worker import prompt_ids
+
+pytestmark = pytest.mark.skipif(
+    not mooncake_available(),
+    reason="Mooncake Store is not installed: pip install mooncake-transfer-engine-non-cuda==0.3.13.post1 and "
+           "apt-get install libibverbs1 (.ci/run does both)",
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = dict(budget_tokens=128, max_fetch_blocks=2, selector="lookahead")  # 8 slots of 16: real eviction/fetches
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with MooncakeCluster(pool_bytes=256 << 20) as running:
+        yield running
+
+
+def prefill_in_other_process(master: str, request: str, fields: dict) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "_remote_worker.py"), master, request,
+                          json.dumps(fields)], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def greedy(model, cache, first, steps):
+    """`steps` greedy tokens after `first` (B,) by single-token forwards on `cache`."""
+    token, out = first.view(-1, 1), [first.view(-1, 1)]
+    with torch.inference_mode():
+        for _ in range(steps):
+            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            out.append(token)
+    return torch.cat(out, dim=1)
+
+
+def local_run(model, cache, steps):
+    with torch.inference_mode():
+        first = model(prompt_ids(), past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1)
+    out = greedy(model, cache, first, steps)
+    if hasattr(cache, "close"):
+        cache.close()
+    return out
+
+
+@pytest.mark.parametrize("fields", [dict(budget_tokens=4096, selector="lookahead"), SMALL],
+                         ids=["budget-covers-context", "small-budget"])
+def test_prefill_and_decode_processes_match_one_process(cluster, fields):
+    request = f"req-{uuid.uuid4().hex[:8]}"
+    prefill_in_other_process(cluster.master_address, request, fields)
+    model = tiny_model("llama", attn="oasis")
+    tier = MooncakeTier(cluster.master_address)
+    cache, extra = attach(model.config, tier, request, "cpu", hot_blocks=16)
+    host_bytes = cache.host.nbytes
+    remote = greedy(model, cache, torch.tensor(extra["next"]), steps=40)  # 150 -> 190 tokens: blocks fill and move
+    store = cache.host
+    keys = store.request_keys()
+    assert store.pushed_count > 0  # completed blocks went back to the pool
+    if fields is SMALL:
+        assert store.pulled_blocks > 0 and cache.stats.summary()["fetched_blocks"] > 0
+    # The decode node's host memory is the tail ring and the hot cache: fixed, whatever the sequence length.
+    assert store.nbytes == host_bytes
+    cache.close()
+    assert not any(tier.exists(keys))  # the finished request's objects are gone from the pool
+
+    reference = local_run(model, oasis_cache(model, **fields), steps=40)
+    assert torch.equal(remote, reference)
+    if fields["budget_tokens"] >= 4096:
+        dense = local_run(tiny_model("llama"), DynamicCache(config=model.config), steps=40)
+        assert torch.equal(remote, dense)
+    tier.close()
+
+
+def test_missing_block_and_request_are_named(cluster):
+    request = f"req-{uuid.uuid4().hex[:8]}"
+    prefill_in_other_process(cluster.master_address, request, SMALL)
+    model = tiny_model("llama", attn="oasis")
+    tier = MooncakeTier(cluster.master_address)
+    with pytest.raises(RemoteTierError, match="'nope' is not in the remote tier"):
+        attach(model.config, tier, "nope", "cpu")
+    tier.remove([f"{request}/L0/B0"])  # the sink block: always resident, pulled at attach
+    with pytest.raises(RemoteTierError, match=f"{request}/L0/B0.*-704 OBJECT_NOT_FOUND"):
+        attach(model.config, tier, request, "cpu")
+    with pytest.raises(UnsupportedError, match="asynchronous selector"):
+        attach(model.config, tier, request, "cpu", selector="current-query")
+    tier.remove([f"{request}/meta"] + [f"{request}/L{i}/B{b}" for i in range(2) for b in range(10)])
+    tier.close()
+
+
+@pytest.mark.parametrize("victim", ["master", "pool"])
+def test_dead_service_mid_decode_raises_within_10s(victim):
+    with MooncakeCluster(pool_bytes=64 << 20) as own:
+        request = "req-fault"
+        prefill_in_other_process(own.master_address, request, SMALL)
+        model = tiny_model("llama", attn="oasis")
+        tier = MooncakeTier(own.master_address)
+        cache, extra = attach(model.config, tier, request, "cpu", hot_blocks=4, free_on_close=False)
+        token = torch.tensor(extra["next"]).view(-1, 1)
+        with torch.inference_mode():
+            for _ in range(3):
+                token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            (own.kill_master if victim == "master" else own.kill_pool)()
+            t0 = time.monotonic()
+            with pytest.raises((PrefetchError, RemoteTierError)) as err:
+                for _ in range(40):  # a block completes every 16 tokens: its push, or a pull, meets the dead service
+                    token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                cache.wait()
+            elapsed = time.monotonic() - t0
+        assert elapsed < 10, f"the failure took {elapsed:.1f} s to surface"
+        chain = f"{err.value} {err.value.__cause__}"
+        assert ("RPC_FAIL" in chain) or ("TRANSFER_FAIL" in chain) or ("OBJECT_NOT_FOUND" in chain), chain
+        threads = [worker._thread for worker in cache._prefetchers.values()]
+        with pytest.raises(PrefetchError):
+            cache.close()  # the worker's failure is reported again, and the worker thread still stops
+        tier.close()
+    assert own.master is None and own.pool is None
+    assert threads and not any(thread.is_alive() for thread in threads)
