@@ -14,8 +14,9 @@ from tests._factories import VOCAB, oasis_cache, tiny_model  # noqa: E402
 
 def main(master: str, request: str, fields_json: str) -> None:
     fields = json.loads(fields_json)
-    model = tiny_model("llama", attn="oasis")
-    ids = prompt_ids()
+    device = fields.pop("device", "cpu")
+    model = tiny_model("llama", attn="oasis", device=device)
+    ids = prompt_ids().to(device)
     cache = oasis_cache(model, **fields)
     with torch.inference_mode():
         logits = model(ids, past_key_values=cache, use_cache=True).logits[:, -1]

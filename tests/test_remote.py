@@ -34,7 +34,8 @@ def cluster():
 
 
 def prefill_in_other_process(master: str, request: str, fields: dict) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, str(ROOT / "tests" / "_remote_worker.py"), master, request,
                           json.dumps(fields)], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -52,7 +53,7 @@ def greedy(model, cache, first, steps):
 
 def local_run(model, cache, steps):
     with torch.inference_mode():
-        first = model(prompt_ids(), past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1)
+        first = model(prompt_ids().to(model.device), past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1)
     out = greedy(model, cache, first, steps)
     if hasattr(cache, "close"):
         cache.close()
@@ -61,19 +62,24 @@ def local_run(model, cache, steps):
 
 @pytest.mark.parametrize("fields", [dict(budget_tokens=4096, selector="lookahead"), SMALL],
                          ids=["budget-covers-context", "small-budget"])
-def test_prefill_and_decode_processes_match_one_process(cluster, fields):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_prefill_and_decode_processes_match_one_process(cluster, fields, device):
+    """On CUDA the decode steps are captured graphs that write new rows into the pinned tail ring."""
     request = f"req-{uuid.uuid4().hex[:8]}"
-    prefill_in_other_process(cluster.master_address, request, fields)
-    model = tiny_model("llama", attn="oasis")
+    prefill_in_other_process(cluster.master_address, request, dict(fields, device=device))
+    model = tiny_model("llama", attn="oasis", device=device)
     tier = MooncakeTier(cluster.master_address)
-    cache, extra = attach(model.config, tier, request, "cpu", hot_blocks=16)
+    cache, extra = attach(model.config, tier, request, device, hot_blocks=16)
     host_bytes = cache.host.nbytes
-    remote = greedy(model, cache, torch.tensor(extra["next"]), steps=40)  # 150 -> 190 tokens: blocks fill and move
+    # 150 -> 190 tokens: blocks fill, are pushed back, and move in and out of the pool.
+    remote = greedy(model, cache, torch.tensor(extra["next"], device=device), steps=40)
     store = cache.host
     keys = store.request_keys()
     assert store.pushed_count > 0  # completed blocks went back to the pool
     if fields is SMALL:
         assert store.pulled_blocks > 0 and cache.stats.summary()["fetched_blocks"] > 0
+    if device == "cuda":
+        assert cache.stats.graph_replays > 0
     # The decode node's host memory is the tail ring and the hot cache: fixed, whatever the sequence length.
     assert store.nbytes == host_bytes
     cache.close()
@@ -82,7 +88,7 @@ def test_prefill_and_decode_processes_match_one_process(cluster, fields):
     reference = local_run(model, oasis_cache(model, **fields), steps=40)
     assert torch.equal(remote, reference)
     if fields["budget_tokens"] >= 4096:
-        dense = local_run(tiny_model("llama"), DynamicCache(config=model.config), steps=40)
+        dense = local_run(tiny_model("llama", device=device), DynamicCache(config=model.config), steps=40)
         assert torch.equal(remote, dense)
     tier.close()
 
@@ -99,7 +105,8 @@ def test_missing_block_and_request_are_named(cluster):
         attach(model.config, tier, request, "cpu")
     with pytest.raises(UnsupportedError, match="asynchronous selector"):
         attach(model.config, tier, request, "cpu", selector="current-query")
-    tier.remove([f"{request}/meta"] + [f"{request}/L{i}/B{b}" for i in range(2) for b in range(10)])
+    names = ["state", *(f"B{n}" for n in range(10))]
+    tier.remove([f"{request}/meta"] + [f"{request}/L{i}/{name}" for i in range(2) for name in names])
     tier.close()
 
 

@@ -22,7 +22,7 @@ from oasis_hf.cache.oasis_cache import OasisCache
 from oasis_hf.config import OasisConfig
 from oasis_hf.errors import RemoteTierError, UnsupportedError
 from oasis_hf.remote.mooncake import MooncakeTier
-from oasis_hf.remote.store import RemoteBlockStore, block_key, meta_key
+from oasis_hf.remote.store import RemoteBlockStore, block_key, meta_key, state_key
 from oasis_hf.selectors import get_selector
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,6 @@ def publish(cache: OasisCache, tier: MooncakeTier, request: str, extra: dict[str
     length = layers[0].length
     num_blocks = -(-length // bs)
     written = 0
-    state_layers = {}
     for layer in layers:
         idx = layer.layer_idx
         # (NB, 2, B, H, BS, D): one contiguous object per block, K then V, every sequence and head.
@@ -67,12 +66,13 @@ def publish(cache: OasisCache, tier: MooncakeTier, request: str, extra: dict[str
         keys = [block_key(request, idx, blk) for blk in range(num_blocks)]
         tier.put(keys, [staging[blk].data_ptr() for blk in range(num_blocks)], [size] * num_blocks, overwrite=True)
         written += size * num_blocks
-        state_layers[idx] = {
+        state = {
             "slot_block": layer.table.slot_block.cpu(),
             "slot_score": layer.table.slot_score.cpu(),
             "block_slot": layer.table.block_slot[..., :num_blocks].cpu(),
             "summaries": layer.summaries.data[..., :num_blocks, :].cpu(),
         }
+        written += _put_object(tier, state_key(request, idx), state)
     meta = {
         "version": FORMAT_VERSION,
         "config": cfg.to_dict(),
@@ -82,13 +82,10 @@ def publish(cache: OasisCache, tier: MooncakeTier, request: str, extra: dict[str
         "num_kv_heads": host.num_kv_heads,
         "head_dim": host.head_dim,
         "dtype": str(host.dtype).removeprefix("torch."),
-        "layers": state_layers,
+        "layers": [layer.layer_idx for layer in layers],
         "extra": extra or {},
     }
-    buffer = io.BytesIO()
-    torch.save(meta, buffer)
-    tier.put_bytes(meta_key(request), buffer.getvalue())
-    written += buffer.tell()
+    written += _put_object(tier, meta_key(request), meta)  # last: its presence means the request is complete
     logger.info("published request %s: %d blocks x %d layers, %.1f MiB", request, num_blocks, len(layers),
                 written / 2**20)
     return written
@@ -119,7 +116,7 @@ def attach(model_config, tier: MooncakeTier, request: str, device: torch.device 
         raw = tier.get_bytes(meta_key(request))
     except RemoteTierError as exc:
         raise RemoteTierError(f"request {request!r} is not in the remote tier (was it published?): {exc}") from exc
-    meta = torch.load(io.BytesIO(raw), weights_only=True)
+    meta = _load(raw)
     if meta.get("version") != FORMAT_VERSION:
         raise RemoteTierError(f"request {request!r} was published in format {meta.get('version')}, expected "
                               f"{FORMAT_VERSION}; publish it again with this oasis_hf version")
@@ -136,7 +133,7 @@ def attach(model_config, tier: MooncakeTier, request: str, device: torch.device 
     device = torch.device(device)
     cache = OasisCache(model_config, config)
     layer_ids = [layer.layer_idx for layer in cache.oasis_layers]
-    if sorted(meta["layers"]) != layer_ids:
+    if meta["layers"] != layer_ids:
         raise UnsupportedError(f"request {request!r} has layers {sorted(meta['layers'])}, the model {layer_ids}")
     bs, length = config.block_size, meta["length"]
     num_blocks = -(-length // bs)
@@ -155,7 +152,7 @@ def attach(model_config, tier: MooncakeTier, request: str, device: torch.device 
         size = 2 * cache.host.block_elems * cache.host.elem
         tail = torch.empty(2, meta["batch_size"], meta["num_kv_heads"], bs, meta["head_dim"], dtype=dtype)
         for layer in cache.oasis_layers:
-            state = dict(meta["layers"][layer.layer_idx], batch_size=meta["batch_size"],
+            state = dict(_load(tier.get_bytes(state_key(request, layer.layer_idx))), batch_size=meta["batch_size"],
                          num_kv_heads=meta["num_kv_heads"], head_dim=meta["head_dim"], dtype=meta["dtype"],
                          kv_start=meta["kv_start"], length=length)  # fmt: skip
             layer.restore(state, device)
@@ -174,3 +171,14 @@ def attach(model_config, tier: MooncakeTier, request: str, device: torch.device 
         cache.close()
         raise
     return cache, meta["extra"]
+
+
+def _put_object(tier: MooncakeTier, key: str, obj) -> int:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    tier.put_bytes(key, buffer.getvalue())
+    return buffer.tell()
+
+
+def _load(raw: bytes):
+    return torch.load(io.BytesIO(raw), weights_only=True)

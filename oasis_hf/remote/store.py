@@ -42,6 +42,11 @@ def meta_key(request: str) -> str:
     return f"{request}/meta"
 
 
+def state_key(request: str, layer: int) -> str:
+    """A layer's published tables and block summaries (small: one key per block, not the keys)."""
+    return f"{request}/L{layer}/state"
+
+
 class RemoteBlockStore:
     """Host tier of a decode node: tail ring + hot-block cache in front of a `MooncakeTier`.
 
@@ -208,7 +213,7 @@ class RemoteBlockStore:
     def request_keys(self) -> list[str]:
         """Every pool key of this request (the blocks up to the current capacity, and the metadata)."""
         keys = [block_key(self.request, layer, blk) for layer in self.layer_ids for blk in range(self.capacity_blocks)]
-        return keys + [meta_key(self.request)]
+        return keys + [state_key(self.request, layer) for layer in self.layer_ids] + [meta_key(self.request)]
 
     # ------------------------------------------------------------------------------------------ internals
     def _push_completed(self, layer: int, end: int) -> None:
