@@ -1,6 +1,8 @@
 """Remote KV tier: decode-node memory, partial-pull throughput on loopback, and how far ahead prefetch must run.
 
     python -m eval.bench_remote --context 32768 --steps 8 --out eval/results/remote_8b_32k
+    python -m eval.bench_remote --model smollm2-135m-instruct --context 2000 --budget 256 --steps 32 \
+        --ahead-blocks 0 16 --out eval/results/remote_smollm2_2k
 
 A Llama-3.1-8B-shaped KV cache (32 layers, 8 KV heads, head dim 128, bf16; no model weights are needed: K/V/Q are
 random and go through the Cache API and the oasis attention, as in `eval.bench_multigpu`) is prefilled into an
@@ -53,6 +55,65 @@ def forward_kv(cache: oasis_hf.OasisCache, config: LlamaConfig, batch: int, toke
         layer.attend(query, handle, values, None, head_dim**-0.5)
 
 
+@torch.inference_mode()
+def real_model(args) -> None:
+    """A real model on this CPU: prefill a pass-key prompt, publish, attach once per network-prefetch setting and
+    decode greedily; the selection now follows real attention, so pulling ahead can pay off."""
+    from oasis_hf import models
+    from oasis_hf.cli import passkey_prompt
+
+    model, tokenizer = models.load(args.model, device="cpu")
+    oasis_hf.enable(model)
+    prompt, key = passkey_prompt(args.context, tokenizer)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    cfg = oasis_hf.OasisConfig(budget_tokens=args.budget, selector="lookahead")
+
+    def decode(cache, first):
+        token, out = first.view(-1, 1), []
+        for _ in range(args.steps):
+            out.append(int(token))
+            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        return out
+
+    local = oasis_hf.OasisCache(model.config, cfg)
+    first = model(ids, past_key_values=local, use_cache=True).logits[:, -1].argmax(-1)
+    reference = decode(local, first)
+    local.close()
+    rows = []
+    with MooncakeCluster(pool_bytes=1 << 30) as cluster:
+        prefill = oasis_hf.OasisCache(model.config, cfg)
+        model(ids, past_key_values=prefill, use_cache=True)
+        tier = MooncakeTier(cluster.master_address)
+        publish(prefill, tier, "real")
+        prefill.close()
+        for i, ahead in enumerate(args.ahead_blocks):
+            cache, _ = attach(model.config, tier, "real", "cpu", ahead_blocks=ahead, hot_blocks=args.hot_blocks,
+                              free_on_close=i == len(args.ahead_blocks) - 1)
+            store = cache.host
+            attach_pulled = store.pulled_blocks
+            tokens = decode(cache, first)
+            demand = store.pulled_blocks - attach_pulled
+            rows.append({"ahead blocks/layer-step": ahead, "hot cache blocks": store.hot_blocks,
+                         "host MiB": store.nbytes / 2**20, "pulled on demand/step": demand / args.steps,
+                         "pulled ahead/step": store.ahead_pulled / args.steps,
+                         "ahead hits/step": store.ahead_hits / args.steps,
+                         "share of needed blocks found hot": store.hot_hits / max(1, store.hot_hits + demand),
+                         "job waits on ahead pulls s": store.net_wait_seconds,
+                         "same tokens as a local OasisCache": tokens == reference})
+            cache.close()
+        tier.close()
+    env = environment()
+    header = (f"Test configuration: CPU, torch {env['torch']}, transformers {env['transformers']}; model {args.model} "
+              f"(fp32), pass-key prompt of {ids.shape[1]} tokens, budget {args.budget}, lookahead selection, "
+              f"{args.steps} greedy steps; Mooncake master + pool on loopback; `{env['command']}`\n\n")
+    answer = tokenizer.decode(reference)
+    table = header + markdown_table(rows, list(rows[0])) + f"\n\nAnswer: {answer!r} (pass key {key})."
+    print(table)
+    if args.out is not None:
+        write_results(args.out, {"env": env, "config": vars(args) | {"out": str(args.out)}, "rows": rows,
+                                 "answer": answer, "key": key}, table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=32768)
@@ -64,9 +125,17 @@ def main() -> None:
                              "moving, 39.8 ms at batch 8 with current-query; eval/results)")
     parser.add_argument("--bandwidths-gbs", type=float, nargs="+", default=[12.5, 25.0, 50.0],
                         help="network GB/s for the lead table besides the measured loopback (100/200/400 Gb/s)")
+    parser.add_argument("--ahead-blocks", type=int, nargs="+", default=[0, 4],
+                        help="network prefetch settings to compare (blocks per layer-step pulled ahead of need)")
+    parser.add_argument("--hot-blocks", type=int, default=None, help="decode-node hot cache (default: attach's)")
+    parser.add_argument("--model", default=None,
+                        help="a packaged model (oasis-hf models) to run instead of the synthetic 8B-shaped KV")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.model is not None:
+        real_model(args)
+        return
     dtype = torch.bfloat16
     config = LlamaConfig(**LLAMA_8B)
     gen = torch.Generator().manual_seed(0)
@@ -89,25 +158,38 @@ def main() -> None:
         del prefill
         logger.info("published %.0f MiB in %.1f s", published / 2**20, publish_s)
 
-        # Decode node.
+        # Decode node, once per network-prefetch setting (the same published request).
         tier = MooncakeTier(cluster.master_address)
-        t0 = time.perf_counter()
-        cache, _ = attach(config, tier, "bench", "cpu")
-        attach_s = time.perf_counter() - t0
-        store = cache.host
-        attach_pulled = store.pulled_blocks
-        step_s = []
-        for _ in range(args.steps):
+        runs = []
+        for i, ahead in enumerate(args.ahead_blocks):
             t0 = time.perf_counter()
-            forward_kv(cache, config, args.batch, 1, dtype, gen)
-            cache.wait()
-            step_s.append(time.perf_counter() - t0)
-        pulled = store.pulled_blocks - attach_pulled
-        block_bytes = store.bytes_per_block()
-        job_pull_s = store.pull_seconds
-        decode_gpu = cache.device_nbytes()
-        decode_host = store.nbytes
-        stats = cache.stats.summary()
+            cache, _ = attach(config, tier, "bench", "cpu", ahead_blocks=ahead, hot_blocks=args.hot_blocks,
+                              free_on_close=i == len(args.ahead_blocks) - 1)
+            attach_s = time.perf_counter() - t0
+            store = cache.host
+            attach_pulled = store.pulled_blocks
+            step_s = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                forward_kv(cache, config, args.batch, 1, dtype, gen)
+                cache.wait()
+                step_s.append(time.perf_counter() - t0)
+            stats = cache.stats.summary()
+            runs.append({"ahead blocks/layer-step": ahead, "attach s": attach_s, "attach pulled": attach_pulled,
+                         "median step ms (CPU)": median(step_s) * 1e3,
+                         "pulled on demand/step": (store.pulled_blocks - attach_pulled) / args.steps,
+                         "pulled ahead/step": store.ahead_pulled / args.steps,
+                         "hot hits/step": store.hot_hits / args.steps,
+                         "ahead hits/step": store.ahead_hits / args.steps,
+                         "job pull s": store.pull_seconds, "job waits on ahead pulls s": store.net_wait_seconds,
+                         "step_s": step_s, "fetched/layer-step": stats["fetched_blocks_per_layer_step"]})
+            pulled = store.pulled_blocks - attach_pulled
+            block_bytes = store.bytes_per_block()
+            job_pull_s = store.pull_seconds
+            decode_gpu = cache.device_nbytes()
+            decode_host = store.nbytes
+            if i < len(args.ahead_blocks) - 1:
+                cache.close()
 
         # Direct batched gets of random prompt blocks (64 per call), into the hot cache's first entries.
         rng = random.Random(0)
@@ -159,24 +241,29 @@ def main() -> None:
               f"(32 layers x 8 KV heads x 128, bf16), batch {args.batch}, context {args.context}, budget "
               f"{args.budget}, block {cfg.block_size} ({block_bytes / 1024:.0f} KiB per pool object: K and V of all "
               f"heads), lookahead selection from random queries (worst-case churn: "
-              f"{stats['fetched_blocks_per_layer_step']:.0f} blocks fetched per layer-step); `{env['command']}`\n\n")
+              f"{runs[-1]['fetched/layer-step']:.0f} blocks fetched per layer-step); `{env['command']}`\n\n")
     table = (header + "Decode-node memory per sequence:\n\n"
              + markdown_table(memory_rows, ["decode node", "GPU KV MiB/seq", "GPU KV vs dense", "host MiB/seq",
                                             "host vs full-KV host"])
-             + f"\n\nPartial pulls ({pulled / args.steps:.0f} blocks = {bytes_per_step / 2**20:.1f} MiB per decode "
-               f"step; median step {median(step_s) * 1e3:.0f} ms on this CPU):\n\n"
+             + f"\n\nPartial pulls on demand ({pulled / args.steps:.0f} blocks = {bytes_per_step / 2**20:.1f} MiB per "
+               f"decode step, last setting):\n\n"
              + markdown_table(pull_rows, ["pull", "blocks", "seconds", "blocks/s", "MB/s"])
              + "\n\nLead a prefetch needs to hide one step's pulls (each layer's job has one step until that layer "
                "runs again; a lead of k steps means selecting k steps ahead):\n\n"
              + markdown_table(lead_rows, ["network", "GB/s", "pull ms/step"]
                               + [f"lead steps @ {s:g} ms/step" for s in args.step_ms])
+             + "\n\nNetwork prefetch (blocks per decode step, all layers; the last setting's pulls are the ones "
+               "above):\n\n"
+             + markdown_table(runs, ["ahead blocks/layer-step", "median step ms (CPU)", "pulled on demand/step",
+                                     "pulled ahead/step", "hot hits/step", "ahead hits/step", "job pull s",
+                                     "job waits on ahead pulls s", "attach s"])
              + f"\n\nPrefill fill {fill_s:.1f} s, publish {published / 2**20:.0f} MiB in {publish_s:.1f} s, attach "
-               f"{attach_s:.2f} s ({attach_pulled} resident blocks pulled).")
+               f"pulls the {runs[-1]['attach pulled']} resident blocks.")
     print(table)
     if args.out is not None:
         write_results(args.out, {"env": env, "config": vars(args) | {"out": str(args.out)},
                                  "memory": memory_rows, "pulls": pull_rows, "lead": lead_rows,
-                                 "step_s": step_s, "publish_s": publish_s, "attach_s": attach_s}, table)
+                                 "runs": runs, "publish_s": publish_s}, table)
 
 
 if __name__ == "__main__":

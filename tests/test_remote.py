@@ -78,6 +78,7 @@ def test_prefill_and_decode_processes_match_one_process(cluster, fields, device)
     assert store.pushed_count > 0  # completed blocks went back to the pool
     if fields is SMALL:
         assert store.pulled_blocks > 0 and cache.stats.summary()["fetched_blocks"] > 0
+        assert store.ahead_pulled > 0  # the network thread pulled likely blocks ahead of need
     if device == "cuda":
         assert cache.stats.graph_replays > 0
     # The decode node's host memory is the tail ring and the hot cache: fixed, whatever the sequence length.

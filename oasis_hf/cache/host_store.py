@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 import psutil
 import torch
@@ -28,6 +29,39 @@ logger = logging.getLogger(__name__)
 #: Write-back offsets are memoised for forwards of at most this many tokens (decode and draft verification), whose
 #: shapes repeat every step; a prefill's offsets are built once and dropped.
 _MEMO_MAX_TOKENS = 64
+
+
+class BlockStore(Protocol):
+    """The host tier of an `OasisCache`: where every block lives, and what the GPU pool is filled from.
+
+    Implementations: `HostKVStore` (the full K/V in local pinned memory) and `oasis_hf.remote.RemoteBlockStore` (the
+    full K/V in a Mooncake Store pool; the decode node keeps a tail ring and a hot-block cache). Shapes: keys/values
+    (B, H_kv, T, D); blocks/slots/valid (B, H_kv, N); pools (B, H_kv, S, BS, D).
+    """
+
+    batch_size: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    pin: bool  # the GPU reads and writes the host buffers directly (zero-copy kernels)
+    capacity_blocks: int  # logical blocks addressable
+    capturable_fetch: bool  # `fetch` is device work only (a selection job calling it may be a CUDA graph)
+
+    @property
+    def nbytes(self) -> int: ...  # host bytes held
+    def bytes_per_block(self) -> int: ...
+    def ensure_capacity(self, num_tokens: int, reserve_tokens: int = 0) -> bool: ...
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> None: ...
+    def write_at(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor) -> None: ...
+    def fetch(self, layer: int, blocks: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
+              slots: torch.Tensor, valid: torch.Tensor, backend: str) -> None: ...  # fmt: skip
+    def read_keys(self, layer: int, num_tokens: int) -> torch.Tensor: ...
+    def note_step(self, layer: int, end: int) -> None: ...
+    def prefetch_hint(self, layer: int, scores: torch.Tensor, num_slots: int) -> None: ...
+    def truncate(self, layer: int, length: int) -> None: ...
+    def release(self) -> None: ...
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -125,6 +159,10 @@ class HostKVStore:
 
     def note_step(self, layer: int, end: int) -> None:
         """Hook for stores that track sequence progress from the host (`RemoteBlockStore`); nothing to do here."""
+
+    def prefetch_hint(self, layer: int, scores: torch.Tensor, num_slots: int) -> None:
+        """Hook for stores behind a slower link (`RemoteBlockStore` pulls likely blocks ahead); every block is one
+        PCIe gather away here."""
 
     def truncate(self, layer: int, length: int) -> None:
         """Hook for stores that cache completed blocks (`RemoteBlockStore`); rows past `length` are simply

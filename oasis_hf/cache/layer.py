@@ -289,6 +289,7 @@ class OasisLayer(CacheLayerMixin):
         blocks, slots, valid = self.table.plan(scores, cfg.max_fetch_blocks)
         self.cache.host.fetch(self.layer_idx, blocks, self.pool_k, self.pool_v, slots, valid, cfg.kernel_backend)
         self.cache.stats.record_fetched(valid)
+        self.cache.host.prefetch_hint(self.layer_idx, scores, self.table.num_slots)  # remote tier: pull ahead
 
     def _submit_job(self, query, start, num_tokens: int, scale: float, graphed: bool) -> None:
         """Run (prefetch off) or queue (prefetch on) this step's selection job. `graphed`: the step was a graph

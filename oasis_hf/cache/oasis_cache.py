@@ -22,7 +22,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from oasis_hf import _compat
-from oasis_hf.cache.host_store import HostKVStore
+from oasis_hf.cache.host_store import BlockStore, HostKVStore
 from oasis_hf.cache.layer import OasisLayer
 from oasis_hf.cache.prefetch import Prefetcher
 from oasis_hf.cache.stats import OasisStats
@@ -71,7 +71,7 @@ class OasisCache(Cache):
         if not any(isinstance(layer, OasisLayer) for layer in layers):
             raise UnsupportedError("the model has no full-attention layer for OasisCache to manage; use DynamicCache")
         self.selector = get_selector(config.selector)
-        self.host: HostKVStore | None = None
+        self.host: BlockStore | None = None  # HostKVStore, or a RemoteBlockStore after oasis_hf.remote.attach
         self.stats = OasisStats()
         self.stats._drain = self.wait
         self._writeback_streams: dict[torch.device, torch.cuda.Stream] = {}

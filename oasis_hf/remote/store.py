@@ -61,13 +61,17 @@ class RemoteBlockStore:
     capacity_blocks : logical blocks addressable at attach (grows as the sequence does; nothing is allocated).
     pushed_blocks : blocks per layer already complete in the pool (the prompt's full blocks).
     free_on_close : remove the request's objects from the pool in `close` (the request is finished).
+    ahead_blocks : network prefetch, per layer and step: the best-scoring blocks just below the budget's cut (the
+        likeliest to enter in the next steps) are pulled into the hot cache by a background network thread, so a
+        later job finds them hot instead of waiting on the network. 0 disables it.
     """
 
     capturable_fetch = False  # a fetch waits on the network: selection jobs run eagerly on the worker
 
     def __init__(self, tier: MooncakeTier, request: str, layer_ids: list[int], batch_size: int, num_kv_heads: int,
                  head_dim: int, block_size: int, dtype: torch.dtype, pin: bool, ring_blocks: int, hot_blocks: int,
-                 capacity_blocks: int, pushed_blocks: int, free_on_close: bool = True) -> None:  # fmt: skip
+                 capacity_blocks: int, pushed_blocks: int, free_on_close: bool = True,
+                 ahead_blocks: int = 0) -> None:  # fmt: skip
         self.tier, self.request = tier, request
         self.layer_ids = list(layer_ids)
         self.batch_size, self.num_kv_heads, self.head_dim = batch_size, num_kv_heads, head_dim
@@ -91,10 +95,20 @@ class RemoteBlockStore:
         self._pushed = {layer: pushed_blocks for layer in self.layer_ids}
         self._prompt_blocks = pushed_blocks
         self._ends: dict[int, collections.deque] = {layer: collections.deque() for layer in self.layer_ids}
-        self._lock = threading.Lock()  # jobs of several devices' workers share the hot cache
+        self._lock = threading.Lock()  # jobs of several devices' workers and the network thread share the hot cache
+        self._cond = threading.Condition(self._lock)  # signalled when an ahead pull lands (or fails)
+        self._loading: set[tuple[int, int]] = set()  # hot-cache keys an ahead pull is writing
+        self._ahead_unused: set[tuple[int, int]] = set()  # pulled ahead, not yet used by a fetch
+        self._in_use: set[int] = set()  # entries a fetch has resolved and will gather from
         self._gathered: dict[torch.device, torch.cuda.Event] = {}
+        self.ahead_blocks = ahead_blocks
+        self._closed = False
+        self._net_queue: collections.deque = collections.deque()
+        self._net_thread: threading.Thread | None = None
+        self._net_error: BaseException | None = None
         self.pulled_blocks = self.pulled_bytes = self.hot_hits = self.pushed_count = 0
-        self.pull_seconds = 0.0
+        self.ahead_pulled = self.ahead_hits = 0
+        self.pull_seconds = self.net_wait_seconds = 0.0
 
     # ------------------------------------------------------------------------------------------ HostKVStore API
     def bytes_per_block(self) -> int:
@@ -129,10 +143,12 @@ class RemoteBlockStore:
                 f"cannot crop a remote-attached cache to {length} tokens, inside the published prompt "
                 f"({self._prompt_blocks * self.block_size}+ tokens): its rows are only in the pool"
             )
-        with self._lock:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._loading)
             self._pushed[layer] = min(self._pushed[layer], complete)
             for key in [k for k in self._hot_of if k[0] == layer and k[1] >= complete]:
                 del self._hot_of[key]
+                self._ahead_unused.discard(key)
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         """New rows (B, H_kv, T, D) at positions ``start ..`` into the tail ring (eager write-back)."""
@@ -183,7 +199,9 @@ class RemoteBlockStore:
             torch.cuda.current_stream(pool_k.device).synchronize()
         ends = self._ends[layer]
         end = ends.popleft() if ends else None
-        with self._lock:
+        with self._cond:
+            if self._net_error is not None:
+                raise self._net_error
             if end is not None:
                 self._push_completed(layer, end)
             wanted = valid.cpu()
@@ -195,15 +213,51 @@ class RemoteBlockStore:
                 entry = self._load(layer, chunk)
                 self._gather(chunk, entry, blocks, pool_k, pool_v, slots, valid)
 
+    def prefetch_hint(self, layer: int, scores: torch.Tensor, num_slots: int) -> None:
+        """After a job's plan: queue network pulls of the best blocks ranked just below the top `num_slots` of
+        `scores` (B, H_kv, NB) into the hot cache (at most `ahead_blocks`, complete blocks only, not already hot)."""
+        if self.ahead_blocks <= 0 or self._closed:
+            return
+        pairs = scores.shape[0] * scores.shape[1]
+        depth = min(scores.shape[-1], num_slots + -(-self.ahead_blocks // pairs))
+        top = scores.topk(depth, dim=-1)
+        ranks = top.indices[..., num_slots:].cpu().permute(2, 0, 1).reshape(-1).tolist()  # rank-major order
+        ok = (top.values[..., num_slots:] > float("-inf")).cpu().permute(2, 0, 1).reshape(-1).tolist()
+        with self._cond:
+            limit = self._pushed[layer]
+            wanted = []
+            for blk, fine in zip(ranks, ok, strict=True):
+                if fine and blk < limit and (layer, blk) not in self._hot_of and blk not in wanted:
+                    wanted.append(blk)
+                if len(wanted) == self.ahead_blocks:
+                    break
+            if not wanted:
+                return
+            self._sync_gathers()
+            entries = self._assign_entries(layer, wanted, keep=set())
+            if entries is None:  # every entry is busy: skip this hint
+                return
+            for blk in wanted:
+                self._loading.add((layer, blk))
+            self._net_queue.append((layer, wanted, entries))
+            if self._net_thread is None:
+                self._net_thread = threading.Thread(target=self._net_loop, name=f"oasis-net-{self.request}")
+                self._net_thread.start()
+            self._cond.notify_all()
+
     def attach_tail(self, layer: int, block: int, data: torch.Tensor) -> None:
         """Put the prompt's partial last block (2, B, H_kv, BS, D) into the ring (attach)."""
         self.ring[self._index[layer], :, :, :, block % self.ring_blocks] = data
 
     def close(self) -> None:
         """Remove the request's pool objects (when `free_on_close`) and free the local buffers; idempotent."""
-        if getattr(self, "_closed", False):
+        if self._closed:
             return
-        self._closed = True
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._net_thread is not None:
+            self._net_thread.join()
         for event in self._gathered.values():
             event.synchronize()
         self._buffer.release()
@@ -228,10 +282,39 @@ class RemoteBlockStore:
             self.pushed_count += 1
         self._pushed[layer] = max(self._pushed[layer], complete)
 
-    def _load(self, layer: int, chunk: list[int]) -> dict[int, int]:
-        """Make the blocks of `chunk` hot; returns block -> hot-cache entry."""
-        for event in self._gathered.values():  # earlier gathers may still read entries we are about to reuse
+    def _sync_gathers(self) -> None:
+        for event in self._gathered.values():  # earlier gathers may still read entries about to be overwritten
             event.synchronize()
+
+    def _assign_entries(self, layer: int, blocks: list[int], keep: set) -> dict[int, int] | None:
+        """Hot-cache entries for `blocks` (not hot yet): free ones first, then the least recently used that is not
+        being pulled, not about to be gathered from and not in `keep`. None if there are not enough."""
+        busy = set(self._in_use) | {self._hot_of[k] for k in self._loading if k in self._hot_of}
+        free = sorted(set(range(self.hot_blocks)) - set(self._hot_of.values()))
+        victims = [k for k in self._hot_of if k not in keep and k not in self._loading and self._hot_of[k] not in busy]
+        if len(free) + len(victims) < len(blocks):
+            return None
+        entries = {}
+        for blk in blocks:
+            if free:
+                slot = free.pop()
+            else:
+                victim = victims.pop(0)
+                slot = self._hot_of.pop(victim)
+                self._ahead_unused.discard(victim)
+            self._hot_of[(layer, blk)] = entries[blk] = slot
+        return entries
+
+    def _load(self, layer: int, chunk: list[int]) -> dict[int, int]:
+        """Make the blocks of `chunk` hot (call with the lock held); returns block -> hot-cache entry."""
+        if any((layer, blk) in self._loading for blk in chunk):
+            t0 = time.perf_counter()
+            self._cond.wait_for(lambda: self._net_error is not None
+                                or not any((layer, blk) in self._loading for blk in chunk))
+            self.net_wait_seconds += time.perf_counter() - t0
+        if self._net_error is not None:
+            raise self._net_error
+        self._sync_gathers()
         entry: dict[int, int] = {}
         misses = []
         for blk in chunk:
@@ -240,17 +323,20 @@ class RemoteBlockStore:
                 self._hot_of.move_to_end(key)
                 entry[blk] = self._hot_of[key]
                 self.hot_hits += 1
+                if key in self._ahead_unused:
+                    self._ahead_unused.discard(key)
+                    self.ahead_hits += 1
             else:
                 misses.append(blk)
-        keep = {(layer, blk) for blk in chunk}
-        free = sorted(set(range(self.hot_blocks)) - set(self._hot_of.values()))
-        for blk in misses:
-            if free:
-                slot = free.pop()
-            else:  # least recently used entry that this chunk does not need
-                victim = next(k for k in self._hot_of if k not in keep)
-                slot = self._hot_of.pop(victim)
-            self._hot_of[(layer, blk)] = entry[blk] = slot
+        self._in_use = set(entry.values())
+        assigned = self._assign_entries(layer, misses, keep={(layer, blk) for blk in chunk})
+        if assigned is None:  # ahead pulls hold the rest: let them land, then take any entry
+            self._cond.wait_for(lambda: not self._loading or self._net_error is not None)
+            if self._net_error is not None:
+                raise self._net_error
+            assigned = self._assign_entries(layer, misses, keep={(layer, blk) for blk in chunk})
+        entry.update(assigned)
+        self._in_use = set()
         if misses:
             t0 = time.perf_counter()
             size = 2 * self.block_elems * self.elem
@@ -260,6 +346,41 @@ class RemoteBlockStore:
             self.pulled_blocks += len(misses)
             self.pulled_bytes += size * len(misses)
         return entry
+
+    def _net_loop(self) -> None:
+        """The network thread: pull queued ahead blocks into their hot-cache entries (no lock held while pulling)."""
+        size = 2 * self.block_elems * self.elem
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._net_queue or self._closed)
+                if self._closed:
+                    for layer, blocks, _ in self._net_queue:
+                        for blk in blocks:
+                            self._loading.discard((layer, blk))
+                            self._hot_of.pop((layer, blk), None)
+                    self._net_queue.clear()
+                    self._cond.notify_all()
+                    return
+                layer, blocks, entries = self._net_queue.popleft()
+            try:
+                self.tier.get([block_key(self.request, layer, blk) for blk in blocks],
+                              [self.hot[entries[blk]].data_ptr() for blk in blocks], [size] * len(blocks))
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the next fetch
+                logger.error("ahead pull failed: %r", exc)
+                with self._cond:
+                    self._net_error = exc
+                    for blk in blocks:
+                        self._loading.discard((layer, blk))
+                        self._hot_of.pop((layer, blk), None)
+                    self._cond.notify_all()
+                continue
+            with self._cond:
+                for blk in blocks:
+                    self._loading.discard((layer, blk))
+                    self._ahead_unused.add((layer, blk))
+                self.ahead_pulled += len(blocks)
+                self.pulled_bytes += size * len(blocks)
+                self._cond.notify_all()
 
     def _gather(self, chunk, entry, blocks, pool_k, pool_v, slots, valid) -> None:
         batch, heads, _ = blocks.shape
