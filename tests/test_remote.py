@@ -139,3 +139,40 @@ def test_dead_service_mid_decode_raises_within_10s(victim):
         tier.close()
     assert own.master is None and own.pool is None
     assert threads and not any(thread.is_alive() for thread in threads)
+
+
+def test_forgotten_remote_cache_and_cluster_leave_nothing_running(cluster):
+    """A script that never closes its attached cache (network thread running) nor its own cluster still exits, and
+    its Mooncake processes are stopped."""
+    request = f"req-{uuid.uuid4().hex[:8]}"
+    prefill_in_other_process(cluster.master_address, request, SMALL)
+    code = (
+        "import sys, torch\n"
+        "from oasis_hf.remote import MooncakeCluster, MooncakeTier, attach\n"
+        "from tests._factories import tiny_model\n"
+        "own = MooncakeCluster(pool_bytes=16 << 20).start()\n"
+        "print(own.master.pid, own.pool.pid, flush=True)\n"
+        "m = tiny_model('llama', attn='oasis')\n"
+        f"cache, extra = attach(m.config, MooncakeTier({cluster.master_address!r}), {request!r}, 'cpu', "
+        "ahead_blocks=4)\n"
+        "token = torch.tensor(extra['next']).view(-1, 1)\n"
+        "with torch.inference_mode():\n"
+        "    for _ in range(20):\n"
+        "        token = m(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)\n"
+        "assert cache.host._net_thread is not None\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for pid in map(int, run.stdout.split()[:2]):
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in _state(pid), f"Mooncake process {pid} still runs"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return "gone zombie"

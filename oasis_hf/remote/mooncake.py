@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import time
+import weakref
 from collections.abc import Sequence
 
 from oasis_hf.errors import RemoteTierError
@@ -101,6 +102,10 @@ class MooncakeCluster:
         self.master: subprocess.Popen | None = None
         self.pool: subprocess.Popen | None = None
         self.rpc_port = self.metrics_port = self.pool_port = 0
+        # The services run in their own sessions (a Ctrl-C of the caller does not reach them), so stop them when
+        # the cluster object is collected or the interpreter exits, if `stop` was never called.
+        self._processes: list[subprocess.Popen] = []
+        self._finalizer = weakref.finalize(self, _stop_all, self._processes)
 
     @property
     def master_address(self) -> str:
@@ -122,6 +127,7 @@ class MooncakeCluster:
                  "--logtostderr=true", "--minloglevel=2"],
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
+            self._processes.append(self.master)
             _wait_port(self.rpc_port, self.master, "mooncake_master", self.start_timeout_s)
             self.pool = subprocess.Popen(
                 ["mooncake_client", "--host=127.0.0.1", f"--port={self.pool_port}",
@@ -129,6 +135,7 @@ class MooncakeCluster:
                  "--metadata_server=P2PHANDSHAKE", "--protocol=tcp"],
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
+            self._processes.append(self.pool)
             _wait_port(self.pool_port, self.pool, "mooncake_client (pool)", self.start_timeout_s)
         except BaseException:
             self.stop()
@@ -146,8 +153,7 @@ class MooncakeCluster:
 
     def stop(self) -> None:
         """Stop the pool, then the master (SIGTERM, SIGKILL after 5 s); idempotent."""
-        for process in (self.pool, self.master):
-            _kill(process, signal.SIGTERM)
+        _stop_all(self._processes)
         self.pool = self.master = None
 
     def __enter__(self) -> MooncakeCluster:
@@ -155,6 +161,13 @@ class MooncakeCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _stop_all(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM (then SIGKILL) the pool before the master; empties the list."""
+    for process in reversed(processes):
+        _kill(process, signal.SIGTERM)
+    processes.clear()
 
 
 def _kill(process: subprocess.Popen | None, sig: int) -> None:

@@ -352,8 +352,10 @@ class RemoteBlockStore:
         size = 2 * self.block_elems * self.elem
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._net_queue or self._closed)
-                if self._closed:
+                # Poll, so a store that is never closed does not keep the interpreter from exiting.
+                while not (self._net_queue or self._closed) and threading.main_thread().is_alive():
+                    self._cond.wait(timeout=0.2)
+                if self._closed or not threading.main_thread().is_alive():
                     for layer, blocks, _ in self._net_queue:
                         for blk in blocks:
                             self._loading.discard((layer, blk))
