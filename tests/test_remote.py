@@ -111,6 +111,20 @@ def test_missing_block_and_request_are_named(cluster):
     tier.close()
 
 
+def test_full_pool_fails_the_write_and_keeps_live_requests():
+    """Writes are hard-pinned: Mooncake would otherwise evict older objects silently to make room."""
+    with MooncakeCluster(pool_bytes=16 << 20) as small:  # (a 4 MiB pool process aborts at start)
+        tier = MooncakeTier(small.master_address)
+        block = torch.zeros(1 << 20, dtype=torch.uint8)
+        written = 0
+        with pytest.raises(RemoteTierError, match="NO_AVAILABLE_HANDLE.*pool is full"):
+            for i in range(32):
+                tier.put([f"live/{i}"], [block.data_ptr()], [block.numel()])
+                written += 1
+        assert 0 < written < 32 and all(tier.exists([f"live/{i}" for i in range(written)]))
+        tier.close()
+
+
 @pytest.mark.parametrize("victim", ["master", "pool"])
 def test_dead_service_mid_decode_raises_within_10s(victim):
     with MooncakeCluster(pool_bytes=64 << 20) as own:

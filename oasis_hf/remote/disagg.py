@@ -64,7 +64,12 @@ def publish(cache: OasisCache, tier: MooncakeTier, request: str, extra: dict[str
             staging[lo:hi, 1] = seg.values[idx][:, :, : hi - lo].permute(2, 0, 1, 3, 4)
         size = staging[0].numel() * staging.element_size()
         keys = [block_key(request, idx, blk) for blk in range(num_blocks)]
-        tier.put(keys, [staging[blk].data_ptr() for blk in range(num_blocks)], [size] * num_blocks, overwrite=True)
+        tier.register(staging.data_ptr(), size * num_blocks)
+        try:
+            tier.put(keys, [staging[blk].data_ptr() for blk in range(num_blocks)], [size] * num_blocks,
+                     overwrite=True)
+        finally:
+            tier.unregister(staging.data_ptr())
         written += size * num_blocks
         state = {
             "slot_block": layer.table.slot_block.cpu(),

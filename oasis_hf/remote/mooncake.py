@@ -261,6 +261,17 @@ class MooncakeTier:
         self._check([c for c in codes if c not in (0, -704)], [k for k, c in zip(keys, codes, strict=True)
                                                                if c not in (0, -704)], "remove")
 
+    def register(self, pointer: int, size: int) -> None:
+        """Register a host buffer that puts and gets will use (RDMA reads and writes it directly; over TCP it is
+        optional)."""
+        code = self._store.register_buffer(pointer, size)
+        if code != 0:
+            raise RemoteTierError(f"Mooncake could not register a {size}-byte buffer (code {code}); on RDMA the "
+                                  "memory must be lockable (ulimit -l)")
+
+    def unregister(self, pointer: int) -> None:
+        self._store.unregister_buffer(pointer)
+
     def close(self) -> None:
         """Disconnect (idempotent)."""
         if not self._closed:

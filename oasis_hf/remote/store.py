@@ -90,6 +90,7 @@ class RemoteBlockStore:
                                      dtype)
         self._push = self._buffer.view(ring_bytes + hot_bytes, (2, batch_size, num_kv_heads, block_size, head_dim),
                                        dtype)
+        tier.register(self._buffer.data.data_ptr(), self._buffer.data.numel())  # gets land here, pushes leave here
         self._index = {layer: i for i, layer in enumerate(self.layer_ids)}
         self._hot_of: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()  # LRU, newest last
         self._pushed = {layer: pushed_blocks for layer in self.layer_ids}
@@ -260,6 +261,7 @@ class RemoteBlockStore:
             self._net_thread.join()
         for event in self._gathered.values():
             event.synchronize()
+        self.tier.unregister(self._buffer.data.data_ptr())
         self._buffer.release()
         if self.free_on_close:
             self.tier.remove(self.request_keys())
