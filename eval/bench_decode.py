@@ -68,11 +68,15 @@ def run_method(model, name: str, make_cache, input_ids, warmup: int, repeats: in
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
     cache = make_cache()
+    before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     t0 = time.perf_counter()
     out = model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     if device.type == "cuda":
         torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t0
+    # GPU memory the prefill needed beyond the weights: activations, and the K/V that stays on the GPU (all of it for
+    # dense; for OasisKV each layer's K/V is written to host as the layer finishes, so only the pool stays).
+    prefill_peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if device.type == "cuda" else None
     token = out.logits[:, -1:].argmax(-1)
 
     def step():
@@ -102,6 +106,8 @@ def run_method(model, name: str, make_cache, input_ids, warmup: int, repeats: in
     batch = input_ids.shape[0]
     row = {"method": name, "ms/step (median)": median(times), "ms/step (p90)": percentile(times, 0.9),
            "tokens/s": batch * 1e3 / median(times), "prefill s": prefill_s, "raw_ms": times}
+    if prefill_peak is not None:
+        row["prefill peak GiB"] = prefill_peak
     row["host enqueue ms/step"] = median(enqueue)
     if isinstance(cache, oasis_hf.OasisCache):
         stats = cache.stats.summary()  # waits for outstanding selection jobs
@@ -226,7 +232,7 @@ def main() -> None:
     columns = ["method", "ms/step (median)", "ms/step (p90)", "tokens/s", "step vs dense", "step vs static",
                "tokens/s vs HF offloading", "host enqueue ms/step", "GPU KV MiB/seq", "GPU KV vs dense",
                "host MiB/seq", "fetched blocks/layer-step", "PCIe MB/step", "gather GB/s", "prefetch late jobs",
-               "prefetch stall ms/step", "graph replay host us", "graph replay GPU us", "prefill s"]
+               "prefetch stall ms/step", "graph replay host us", "graph replay GPU us", "prefill s", "prefill peak GiB"]
     columns = [c for c in columns if any(c in row for row in rows)]
     env = environment()
     header = (f"Test configuration: {env.get('gpu', 'cpu')}, torch {env['torch']}, transformers "
