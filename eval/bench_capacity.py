@@ -22,6 +22,7 @@ import oasis_hf
 from eval._common import environment, markdown_table, write_results
 from eval.bench_decode import build_model
 from eval.bench_multigpu import GIB, SHAPES, kv_bytes_per_token_layer, release_memory, run_method, split_by_layers
+from eval.plot import plot_throughput
 
 logger = logging.getLogger("eval.bench_capacity")
 
@@ -100,8 +101,9 @@ def main() -> None:
     table = header + markdown_table(rows, columns)
     print(table)
     if args.out is not None:
-        write_results(args.out, {"env": env, "config": vars(args) | {"out": str(args.out)}, "shape": shape,
-                                 "rows": rows}, table)
+        payload = {"env": env, "config": vars(args) | {"out": str(args.out)}, "shape": shape, "rows": rows}
+        write_results(args.out, payload, table)
+        plot_throughput(payload, args.out)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from eval._common import environment, markdown_table, median, write_results
+from eval.plot import plot_kernels
 from oasis_hf.kernels import sparse_attention, sparse_attention_ref
 
 logger = logging.getLogger("eval.bench_kernels")
@@ -115,8 +116,9 @@ def main() -> None:
     table = header + markdown_table(rows, columns)
     print(table)
     if args.out is not None:
-        write_results(args.out, {"env": env, "config": vars(args) | {"out": str(args.out)}, "copy GB/s": hbm,
-                                 "rows": rows}, table)
+        payload = {"env": env, "config": vars(args) | {"out": str(args.out)}, "copy GB/s": hbm, "rows": rows}
+        write_results(args.out, payload, table)
+        plot_kernels(payload, args.out)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from transformers import DynamicCache
 import oasis_hf
 from eval._common import environment, markdown_table, median, percentile, time_steps, write_results
 from eval.bench_decode import LLAMA_8B, TINY, build_model
+from eval.plot import plot_throughput
 
 logger = logging.getLogger("eval.bench_multigpu")
 
@@ -215,6 +216,7 @@ def report(args, devices: list[str], shape: dict, dtype, rows: list[dict]) -> No
         payload = {"env": env, "config": vars(args) | {"out": str(args.out), "devices": devices}, "shape": shape,
                    "rows": rows}
         write_results(args.out, payload, table)
+        plot_throughput(payload, args.out)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from transformers import LlamaConfig
 import oasis_hf
 from eval._common import environment, markdown_table, median, write_results
 from eval.bench_decode import LLAMA_8B
+from eval.plot import plot_remote_memory
 from oasis_hf.remote import MooncakeCluster, MooncakeTier, attach, publish
 from oasis_hf.remote.store import block_key
 
@@ -261,9 +262,10 @@ def main() -> None:
                f"pulls the {runs[-1]['attach pulled']} resident blocks.")
     print(table)
     if args.out is not None:
-        write_results(args.out, {"env": env, "config": vars(args) | {"out": str(args.out)},
-                                 "memory": memory_rows, "pulls": pull_rows, "lead": lead_rows,
-                                 "runs": runs, "publish_s": publish_s}, table)
+        payload = {"env": env, "config": vars(args) | {"out": str(args.out)}, "memory": memory_rows,
+                   "pulls": pull_rows, "lead": lead_rows, "runs": runs, "publish_s": publish_s}
+        write_results(args.out, payload, table)
+        plot_remote_memory(payload, args.out)
 
 
 if __name__ == "__main__":

@@ -76,10 +76,121 @@ def plot_vs_budget(rows: list[dict], value: str, path: Path, ylabel: str, title:
     return out
 
 
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def plot_throughput(payload: dict, path: Path) -> Path | None:
+    """Decode tokens/s per method at each context (grouped bars, log scale), each bar labelled with its batch and
+    its ratio to dense: for `bench_multigpu` and `bench_capacity`, where every method runs at its own batch."""
+    plt = _pyplot()
+    rows = [r for r in payload["rows"] if "tokens/s" in r]
+    if plt is None or not rows:
+        return None
+    contexts = sorted({r["context"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    width = 0.8 / len(methods)
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for i, method in enumerate(methods):
+        for j, context in enumerate(contexts):
+            row = next((r for r in rows if r["method"] == method and r["context"] == context), None)
+            if row is None:
+                continue
+            x = j + (i - (len(methods) - 1) / 2) * width
+            ax.bar(x, row["tokens/s"], width, color="#888" if method.startswith("dense") else "#2a7",
+                   label=method if j == 0 else None)
+            ratio = row.get("tokens/s vs dense")
+            note = f"B={row['batch']}" + (f"\n{ratio:.2f}x" if ratio and not method.startswith("dense") else "")
+            ax.text(x, row["tokens/s"], note, ha="center", va="bottom", fontsize=7)
+    ax.set_ylim(top=max(r["tokens/s"] for r in rows) * 2)  # room for the labels
+    ax.set_xticks(range(len(contexts)), [f"{c // 1024}k" for c in contexts])
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("decode tokens/s (all sequences)")
+    ax.set_yscale("log")
+    env = payload.get("env", {})
+    ax.set_title(f"{env.get('gpus', 1)} x {env.get('gpu', 'cpu')}: largest batch per method", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    out = path.with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_kernels(payload: dict, path: Path) -> Path | None:
+    """Achieved GB/s of the sparse attention kernel against batch, one line per (budget, T), and the measured
+    device-copy bandwidth (dashed)."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    rows = payload["rows"]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for budget, tokens in dict.fromkeys((r["budget"], r["T"]) for r in rows):
+        pts = sorted((r["batch"], r["GB/s"]) for r in rows if r["budget"] == budget and r["T"] == tokens)
+        ax.plot(*zip(*pts, strict=True), marker="o", label=f"budget {budget}, T={tokens}")
+    ax.axhline(payload["copy GB/s"], ls="--", c="k", lw=1, label="device copy (read + write)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch")
+    ax.set_ylabel("GB/s of K/V read")
+    ax.set_title(f"sparse_attention, {payload.get('env', {}).get('gpu')}, Llama-8B heads", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = path.with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_remote_memory(payload: dict, path: Path) -> Path | None:
+    """GPU KV and host memory per sequence of the three decode-node kinds of `bench_remote` (log scale)."""
+    plt = _pyplot()
+    if plt is None or "memory" not in payload:
+        return None
+    rows = payload["memory"]
+    names = [r["decode node"] for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    y = range(len(rows))
+    ax.barh([i - 0.2 for i in y], [max(r["GPU KV MiB/seq"], 1e-3) for r in rows], 0.4, label="GPU KV", color="#47a")
+    ax.barh([i + 0.2 for i in y], [max(r["host MiB/seq"], 1e-3) for r in rows], 0.4, label="host", color="#c84")
+    ax.set_yticks(list(y), names, fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlim(left=1)
+    ax.set_xlabel("MiB per sequence (log scale)")
+    ax.invert_yaxis()
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = path.with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
+    """Redraw the figure of each results JSON given, by the kind of run it holds."""
     for name in argv if argv is not None else sys.argv[1:]:
         path = Path(name)
-        print(plot_decode(json.loads(path.read_text()), path))
+        payload = json.loads(path.read_text())
+        rows = payload.get("rows", [])
+        if "memory" in payload:
+            print(plot_remote_memory(payload, path))
+        elif "copy GB/s" in payload:
+            print(plot_kernels(payload, path))
+        elif "preset" in payload:
+            print(plot_decode(payload, path))
+        elif rows and "context" in rows[0]:
+            print(plot_throughput(payload, path))
+        else:
+            print(f"{path}: no figure for this kind of result")
 
 
 if __name__ == "__main__":
