@@ -25,13 +25,14 @@ from oasis_hf.cli import _run, passkey_prompt
 
 logger = logging.getLogger("eval.recall")
 
-METHODS = [  # (label, selector, prompt-lookup drafts)
-    ("static (StreamingLLM)", "static", 0),
-    ("current-query (synchronous)", "current-query", 0),
-    ("previous-query", "previous-query", 0),
-    ("lookahead, no drafts", "lookahead", 0),
-    ("lookahead, prompt-lookup drafts (3)", "lookahead", 3),
-    ("oracle (exact, synchronous)", "oracle", 0),
+METHODS = [  # (label, selector, prompt-lookup drafts, other OasisConfig fields)
+    ("static (StreamingLLM)", "static", 0, {}),
+    ("current-query (synchronous)", "current-query", 0, {}),
+    ("previous-query", "previous-query", 0, {}),
+    ("lookahead, no drafts", "lookahead", 0, {}),
+    ("lookahead, prompt-lookup drafts (3)", "lookahead", 3, {}),
+    ("lookahead, prompt-lookup drafts (3), rejected kept", "lookahead", 3, {"drop_rejected_drafts": False}),
+    ("oracle (exact, synchronous)", "oracle", 0, {}),
 ]
 
 
@@ -42,6 +43,7 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512])
     parser.add_argument("--new-tokens", type=int, default=12)
     parser.add_argument("--trials", type=int, default=1, help="prompts (different seeds) per budget")
+    parser.add_argument("--methods", nargs="+", default=None, help="labels (or label prefixes) to run; default all")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
@@ -50,26 +52,30 @@ def main() -> None:
     oasis_hf.enable(model)
     rows = []
     for budget in args.budgets:
-        for label, selector, lookup in METHODS:
-            mass, topk, correct = [], [], 0
+        for label, selector, lookup, fields in METHODS:
+            if args.methods and not any(label.startswith(m) for m in args.methods):
+                continue
+            mass, topk, correct, narrowed = [], [], 0, 0
             for trial in range(args.trials):
                 prompt, key = passkey_prompt(args.context, tokenizer, seed=trial)
-                config = oasis_hf.OasisConfig(budget_tokens=budget, selector=selector, measure_recall=True)
+                config = oasis_hf.OasisConfig(budget_tokens=budget, selector=selector, measure_recall=True, **fields)
                 with oasis_hf.OasisCache(model.config, config) as cache:
                     result = _run(model, tokenizer, prompt, cache, args.new_tokens, prompt_lookup=lookup)
                     stats = cache.stats.summary()
+                narrowed += stats["narrowed_jobs"]
                 mass.append(stats["mass_recall"])
                 topk.append(stats["topk_recall"])
                 correct += key in result["text"]
             logger.info("budget %d %s: mass %.3f", budget, label, sum(mass) / len(mass))
             rows.append({"budget": budget, "method": label, "attention mass on resident": sum(mass) / len(mass),
-                         "oracle top-S recall": sum(topk) / len(topk), "pass key found": f"{correct}/{args.trials}"})
+                         "oracle top-S recall": sum(topk) / len(topk), "pass key found": f"{correct}/{args.trials}",
+                         "jobs narrowed": narrowed})
     env = environment()
     header = (f"Test configuration: {env.get('gpu', 'cpu')}, torch {env['torch']}, transformers {env['transformers']};"
               f" model {args.model}, {next(model.parameters()).dtype}, pass-key prompt of about {args.context} "
               f"tokens, {args.new_tokens} greedy tokens, {args.trials} trial(s); `{env['command']}`\n\n")
     table = header + markdown_table(rows, ["budget", "method", "attention mass on resident", "oracle top-S recall",
-                                           "pass key found"])
+                                           "pass key found", "jobs narrowed"])
     print(table)
     if args.out is not None:
         payload = {"env": env, "args": vars(args) | {"out": str(args.out)}, "rows": rows}

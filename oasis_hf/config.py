@@ -74,6 +74,10 @@ class OasisConfig:
         host memory: slow, for evaluation). Adds ``mass_recall`` (share of the exact attention mass on resident
         blocks) and ``topk_recall`` (share of the exact top-``S`` blocks that were resident) to the stats.
         Default False.
+    drop_rejected_drafts : bool
+        When speculative decoding rejects drafts (``crop``), selection jobs of that forward that have not started yet
+        score with the accepted tokens' queries only. Jobs already running, or replayed as CUDA graphs, keep all
+        queries. Changes which blocks are chosen, never the exactness of attention. Default True.
     cuda_graphs : bool
         On CUDA, capture each layer's decode step (selection, delta, fetch, sparse attention) in a CUDA graph per
         forward length ``T <= 16`` and replay it: a few launches per layer instead of ~190. The first forward of
@@ -95,6 +99,7 @@ class OasisConfig:
     host_memory_limit_bytes: int | None = None
     prefetch: bool = True
     measure_recall: bool = False
+    drop_rejected_drafts: bool = True
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
@@ -143,7 +148,7 @@ class OasisConfig:
             raise bad("host_capacity_tokens", self.host_capacity_tokens, "use a positive int, or None")
         if self.pin_host_memory not in (None, True, False):
             raise bad("pin_host_memory", self.pin_host_memory, "use True, False or None (auto)")
-        for name in ("prefetch", "measure_recall", "cuda_graphs"):
+        for name in ("prefetch", "measure_recall", "cuda_graphs", "drop_rejected_drafts"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, getattr(self, name), "use True or False")
         if not isinstance(self.host_memory_headroom_bytes, int) or self.host_memory_headroom_bytes < 0:

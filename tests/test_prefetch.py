@@ -220,3 +220,36 @@ def test_prefetch_with_host_growth_keeps_tables_consistent(monkeypatch):
         for layer in cache.oasis_layers:
             layer.table.check()
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_rejected_drafts_are_dropped_from_jobs_not_started(monkeypatch, drop):
+    """A verification forward of 4 tokens, 2 of them rejected (crop): queued jobs score with the 2 accepted queries
+    only when drop_rejected_drafts is on. With the budget covering the context the next step equals that of a cache
+    that never saw the rejected tokens (narrowing changes which blocks are chosen, never exactness)."""
+    seen: list[int] = []
+    original = OasisLayer._job
+
+    def recording(self, query, start, num_tokens, scale):
+        time.sleep(0.02)  # the worker lags, so the crop finds most jobs queued
+        seen.append(num_tokens)
+        return original(self, query, start, num_tokens, scale)
+
+    monkeypatch.setattr(OasisLayer, "_job", recording)
+    model = tiny_model("llama", attn="oasis", layers=4)
+    ids = torch.randint(1, 128, (1, 210), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode(), oasis_cache(model, selector="lookahead", drop_rejected_drafts=drop) as cache:
+        model(ids[:, :200], past_key_values=cache, use_cache=True)
+        model(ids[:, 200:204], past_key_values=cache, use_cache=True)  # 1 accepted + 3 drafts
+        cache.crop(-2)  # the last 2 drafts rejected
+        after = model(ids[:, 202:203], past_key_values=cache, use_cache=True).logits
+        narrowed = cache.stats.summary()["narrowed_jobs"]
+    with torch.inference_mode(), oasis_cache(model, selector="lookahead") as plain:
+        model(ids[:, :200], past_key_values=plain, use_cache=True)
+        model(ids[:, 200:202], past_key_values=plain, use_cache=True)
+        expected = model(ids[:, 202:203], past_key_values=plain, use_cache=True).logits
+    if drop:
+        assert narrowed >= 2 and seen[:4].count(2) == narrowed  # the verify forward's jobs, layer by layer
+    else:
+        assert narrowed == 0 and seen[:4] == [4, 4, 4, 4]
+    torch.testing.assert_close(after, expected)

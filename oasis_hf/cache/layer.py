@@ -18,6 +18,7 @@ real blocks), the recent window (last blocks, new tokens included) and the selec
 from __future__ import annotations
 
 import math
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,6 +68,7 @@ class OasisLayer(CacheLayerMixin):
         self._graphs: dict[int, _StepGraph] = {}  # T -> captured decode step (CUDA)
         self._job_graphs: dict[int, _JobGraph] = {}  # T -> captured selection job (asynchronous selectors)
         self._job_warm: set[int] = set()
+        self._eager_job: _EagerJob | None = None  # the latest eager selection job (see drop_rejected)
         self._warm: set[int] = set()  # T values whose step already ran eagerly on the capture stream
 
     # ------------------------------------------------------------------------------------------ HF layer API
@@ -310,15 +312,25 @@ class OasisLayer(CacheLayerMixin):
         """A callable doing the job: eager, or the replay of the job captured for this ``T`` (first graphed job of
         a ``T`` eager, the second captures; a replay costs ~10 us of host time instead of ~60 launches)."""
         if not graphed:
-            return lambda: self._job(query, start, num_tokens, scale)
+            job = self._eager_job = _EagerJob(self, query, start, num_tokens, scale)
+            return job
         graph = self._job_graphs.get(num_tokens)
         if graph is None or graph.scale != scale:
             if num_tokens not in self._job_warm:
                 self._job_warm.add(num_tokens)
-                return lambda: self._job(query, start, num_tokens, scale)
+                job = self._eager_job = _EagerJob(self, query, start, num_tokens, scale)
+                return job
             self.cache.wait()  # nothing in flight on the worker while capturing
             graph = self._job_graphs[num_tokens] = _JobGraph(self, query, start, num_tokens, scale)
         return graph.graph.replay
+
+    def drop_rejected(self, tokens: int) -> None:
+        """The last `tokens` of the latest forward were rejected drafts: if that forward's selection job has not
+        started yet, it scores with the accepted queries only (a job already running or captured as a graph keeps
+        all of them; either way the output is exact, only the choice of blocks changes)."""
+        job, self._eager_job = self._eager_job, None
+        if job is not None and job.narrow(tokens):
+            self.cache.stats.narrowed_jobs += 1
 
     def _await_job(self) -> None:
         """Wait (host, then stream) for this layer's outstanding selection job; count it late if unfinished."""
@@ -569,3 +581,29 @@ class _JobGraph:
             finally:
                 self.graph.capture_end()
         torch.cuda.current_stream(device).wait_stream(stream)
+
+
+class _EagerJob:
+    """An eager selection job whose query count can still shrink until the worker starts it (`narrow`)."""
+
+    def __init__(self, layer: OasisLayer, query, start, num_tokens: int, scale: float) -> None:
+        self.layer, self.query, self.start, self.scale = layer, query, start, scale
+        self.keep = num_tokens
+        self._lock = threading.Lock()
+        self._started = False
+
+    def narrow(self, rejected: int) -> bool:
+        """Drop the last `rejected` queries if the job has not started; returns whether it did."""
+        with self._lock:
+            if self._started or rejected <= 0:
+                return False
+            self.keep = max(1, self.keep - rejected)
+            return True
+
+    def __call__(self) -> None:
+        with self._lock:
+            self._started = True
+            keep = self.keep
+        query = self.query if keep == self.query.shape[2] else self.query[:, :, :keep]
+        self.layer._job(query, self.start, keep, self.scale)
+        self.layer = self.query = self.start = None  # the ticket may outlive the step: drop the references

@@ -194,6 +194,9 @@ class OasisCache(Cache):
         """Drop tokens from the end: ``crop(-n)`` removes ``n`` (5.18+), ``crop(n > 0)`` keeps ``n`` (5.17 legacy)."""
         length = self.get_seq_length()
         remove = max(0, length - max_length) if max_length > 0 else -max_length
+        if self.config.drop_rejected_drafts:  # first, before any layer waits for its job and the worker moves on
+            for layer in self._oasis_layers:
+                layer.drop_rejected(remove)
         for layer in self.layers:
             layer.crop(-remove)
 
