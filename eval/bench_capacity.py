@@ -13,15 +13,20 @@ from __future__ import annotations
 
 import argparse
 import logging
-from pathlib import Path
 
-import torch
 from transformers import DynamicCache
 
 import oasis_hf
 from eval._common import environment, markdown_table, write_results
-from eval.bench_decode import build_model
-from eval.bench_multigpu import GIB, SHAPES, kv_bytes_per_token_layer, release_memory, run_method, split_by_layers
+from eval.bench_multigpu import (
+    GIB,
+    SHAPES,
+    kv_bytes_per_token_layer,
+    parse_gpu_args,
+    release_memory,
+    run_method,
+    split_model_for,
+)
 from eval.plot import plot_throughput
 
 logger = logging.getLogger("eval.bench_capacity")
@@ -46,17 +51,8 @@ def main() -> None:
     parser.add_argument("--selector", default="current-query")
     parser.add_argument("--host-gib", type=float, required=True, help="pinned host memory OasisKV may use")
     parser.add_argument("--max-batch", type=int, default=None, help="cap every method's batch (smoke runs)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU")
-    shape, dtype = SHAPES[args.shape], torch.bfloat16
-    devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    oasis_hf.register()
-    model, _ = split_by_layers(build_model(shape, devices[0], dtype), devices)
+    args = parse_gpu_args(parser)
+    model, shape, dtype, devices = split_model_for(args.shape)
     cap = int(args.kv_cap_gib * GIB)
     rows = []
     for context in args.contexts:

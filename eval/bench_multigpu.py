@@ -56,6 +56,28 @@ def split_by_layers(model, devices: list[str]):
     return dispatch_model(model, device_map=device_map, main_device=devices[0]), device_map
 
 
+def parse_gpu_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Add the options every GPU decode benchmark shares (timing, output), parse, set up logging, require CUDA."""
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=None, help="results path without suffix (.md and .json written)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if not torch.cuda.is_available():
+        parser.error("needs CUDA GPUs")
+    return args
+
+
+def split_model_for(shape_name: str, gpus: int | None = None):
+    """The random-weight bf16 model of `shape_name`, layers split over the first `gpus` GPUs (default all), with the
+    oasis attention registered; returns (model, shape dict, dtype, device names)."""
+    devices = [f"cuda:{i}" for i in range(gpus or torch.cuda.device_count())]
+    shape, dtype = SHAPES[shape_name], torch.bfloat16
+    oasis_hf.register()
+    model, _ = split_by_layers(build_model(shape, devices[0], dtype), devices)
+    return model, shape, dtype, devices
+
+
 def layer_devices(model) -> list[torch.device]:
     return [next(layer.parameters()).device for layer in model.model.layers]
 
@@ -161,18 +183,8 @@ def main() -> None:
     parser.add_argument("--margin-gib", type=float, default=6.0, help="GPU memory kept free for activations")
     parser.add_argument("--max-batch", type=int, default=None, help="cap every method's batch (smoke runs)")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to split over (default: all visible)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=None, help="results path without suffix (.md and .json written)")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if not torch.cuda.is_available():
-        parser.error("needs CUDA GPUs (this benchmark splits the model over them)")
-    gpus = args.gpus or torch.cuda.device_count()
-    devices = [f"cuda:{i}" for i in range(gpus)]
-    shape, dtype = SHAPES[args.shape], torch.bfloat16
-    oasis_hf.register()
-    model, _ = split_by_layers(build_model(shape, devices[0], dtype), devices)
+    args = parse_gpu_args(parser)
+    model, shape, dtype, devices = split_model_for(args.shape, args.gpus)
     rows = []
     for context in args.contexts:
         capacity = -(-(context + 64) // 32) * 32

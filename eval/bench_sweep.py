@@ -22,8 +22,16 @@ from transformers import DynamicCache
 
 import oasis_hf
 from eval._common import environment, markdown_table, write_results
-from eval.bench_decode import build_model
-from eval.bench_multigpu import GIB, SHAPES, kv_bytes_per_token_layer, release_memory, run_method, split_by_layers
+from eval.bench_multigpu import (
+    GIB,
+    SHAPES,
+    kv_bytes_per_token_layer,
+    parse_gpu_args,
+    release_memory,
+    run_method,
+    split_model_for,
+)
+from eval.plot import pyplot_or_none, save_figure
 
 logger = logging.getLogger("eval.bench_sweep")
 
@@ -40,17 +48,8 @@ def main() -> None:
     parser.add_argument("--selectors", nargs="+", default=["current-query", "lookahead", "static"])
     parser.add_argument("--host-gib", type=float, required=True, help="pinned host memory OasisKV may use")
     parser.add_argument("--margin-gib", type=float, default=6.0, help="GPU memory kept free for activations")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU")
-    shape, dtype = SHAPES[args.shape], torch.bfloat16
-    devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    oasis_hf.register()
-    model, _ = split_by_layers(build_model(shape, devices[0], dtype), devices)
+    args = parse_gpu_args(parser)
+    model, shape, dtype, devices = split_model_for(args.shape)
     per_token = kv_bytes_per_token_layer(shape, dtype) * shape["num_hidden_layers"]
     rows: list[dict] = []
     for context in args.contexts:
@@ -111,12 +110,8 @@ def report(args, shape: dict, dtype, rows: list[dict], final: bool = False) -> N
 def plot_sweep(payload: dict, path: Path) -> list[Path]:
     """Three PNGs next to `path`: ms/step vs context (one line per method and batch), tokens/s vs batch (one line
     per method and context), GPU KV MiB per sequence vs context. Skipped points are left out of the lines."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot_or_none()
+    if plt is None:
         return []
     rows = [r for r in payload["rows"] if "ms/step (median)" in r]
     rows = [dict(r, budget=r.get("budget", "full" if r["method"].startswith("dense") else "?")) for r in rows]
@@ -145,11 +140,7 @@ def plot_sweep(payload: dict, path: Path) -> list[Path]:
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6, loc="best")
-        fig.tight_layout()
-        out = path.with_name(f"{path.name}_{name}.png")
-        fig.savefig(out, dpi=110)
-        plt.close(fig)
-        made.append(out)
+        made.append(save_figure(fig, plt, path.with_name(f"{path.name}_{name}.png")))
     return made
 
 

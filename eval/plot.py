@@ -39,11 +39,7 @@ def plot_decode(payload: dict, path: Path) -> Path | None:
     env, cfg = payload.get("env", {}), payload.get("config", {})
     fig.suptitle(f"{env.get('gpu', 'cpu')}: batch {cfg.get('batch')}, context {cfg.get('context')}, "
                  f"budget {cfg.get('budget')} ({payload.get('preset')})", fontsize=10)
-    fig.tight_layout()
-    out = path.with_suffix(".png")
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, plt, path.with_suffix(".png"))
 
 
 def plot_vs_budget(rows: list[dict], value: str, path: Path, ylabel: str, title: str) -> Path | None:
@@ -69,14 +65,17 @@ def plot_vs_budget(rows: list[dict], value: str, path: Path, ylabel: str, title:
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return save_figure(fig, plt, path.with_suffix(".png"))
+
+
+def save_figure(fig, plt, out: Path) -> Path:
     fig.tight_layout()
-    out = path.with_suffix(".png")
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
 
 
-def _pyplot():
+def pyplot_or_none():
     try:
         import matplotlib
 
@@ -90,7 +89,7 @@ def _pyplot():
 def plot_throughput(payload: dict, path: Path) -> Path | None:
     """Decode tokens/s per method at each context (grouped bars, log scale), each bar labelled with its batch and
     its ratio to dense: for `bench_multigpu` and `bench_capacity`, where every method runs at its own batch."""
-    plt = _pyplot()
+    plt = pyplot_or_none()
     rows = [r for r in payload["rows"] if "tokens/s" in r]
     if plt is None or not rows:
         return None
@@ -118,17 +117,13 @@ def plot_throughput(payload: dict, path: Path) -> Path | None:
     ax.set_title(f"{env.get('gpus', 1)} x {env.get('gpu', 'cpu')}: largest batch per method", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    out = path.with_suffix(".png")
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, plt, path.with_suffix(".png"))
 
 
 def plot_kernels(payload: dict, path: Path) -> Path | None:
     """Achieved GB/s of the sparse attention kernel against batch, one line per (budget, T), and the measured
     device-copy bandwidth (dashed)."""
-    plt = _pyplot()
+    plt = pyplot_or_none()
     if plt is None:
         return None
     rows = payload["rows"]
@@ -144,16 +139,12 @@ def plot_kernels(payload: dict, path: Path) -> Path | None:
     ax.set_title(f"sparse_attention, {payload.get('env', {}).get('gpu')}, Llama-8B heads", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = path.with_suffix(".png")
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, plt, path.with_suffix(".png"))
 
 
 def plot_remote_memory(payload: dict, path: Path) -> Path | None:
     """GPU KV and host memory per sequence of the three decode-node kinds of `bench_remote` (log scale)."""
-    plt = _pyplot()
+    plt = pyplot_or_none()
     if plt is None or "memory" not in payload:
         return None
     rows = payload["memory"]
@@ -168,11 +159,7 @@ def plot_remote_memory(payload: dict, path: Path) -> Path | None:
     ax.set_xlabel("MiB per sequence (log scale)")
     ax.invert_yaxis()
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = path.with_suffix(".png")
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, plt, path.with_suffix(".png"))
 
 
 def main(argv: list[str] | None = None) -> None:
