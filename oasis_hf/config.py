@@ -74,6 +74,11 @@ class OasisConfig:
         host memory: slow, for evaluation). Adds ``mass_recall`` (share of the exact attention mass on resident
         blocks) and ``topk_recall`` (share of the exact top-``S`` blocks that were resident) to the stats.
         Default False.
+    dense_chunk_tokens : int
+        A forward of more new tokens than this on a non-empty cache (chunked prefill) attends exactly, over the whole
+        sequence read back from host memory one layer at a time; shorter forwards (decode, draft verification) take
+        the sparse step over the resident blocks. A forward whose new blocks do not fit the budget always takes the
+        exact path. Default 256.
     drop_rejected_drafts : bool
         When speculative decoding rejects drafts (``crop``), selection jobs of that forward that have not started yet
         score with the accepted tokens' queries only. Jobs already running, or replayed as CUDA graphs, keep all
@@ -99,6 +104,7 @@ class OasisConfig:
     host_memory_limit_bytes: int | None = None
     prefetch: bool = True
     measure_recall: bool = False
+    dense_chunk_tokens: int = 256
     drop_rejected_drafts: bool = True
     cuda_graphs: bool = True
 
@@ -153,6 +159,10 @@ class OasisConfig:
                 raise bad(name, getattr(self, name), "use True or False")
         if not isinstance(self.host_memory_headroom_bytes, int) or self.host_memory_headroom_bytes < 0:
             raise bad("host_memory_headroom_bytes", self.host_memory_headroom_bytes, "use a non-negative int")
+        if not isinstance(self.dense_chunk_tokens, int) or isinstance(self.dense_chunk_tokens, bool) or (
+            self.dense_chunk_tokens < 1
+        ):
+            raise bad("dense_chunk_tokens", self.dense_chunk_tokens, "use a positive int")
         if self.host_memory_limit_bytes is not None and (
             not isinstance(self.host_memory_limit_bytes, int) or isinstance(self.host_memory_limit_bytes, bool)
             or self.host_memory_limit_bytes <= 0

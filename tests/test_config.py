@@ -22,6 +22,7 @@ BAD = [
     ("pin_host_memory", "yes", "True, False or None"),
     ("host_memory_headroom_bytes", -5, "non-negative"),
     ("host_memory_limit_bytes", 0, "positive int"),
+    ("dense_chunk_tokens", 0, "positive int"),
     ("cuda_graphs", 1, "True or False"),
 ]
 

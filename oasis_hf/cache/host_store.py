@@ -57,6 +57,7 @@ class BlockStore(Protocol):
     def fetch(self, layer: int, blocks: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
               slots: torch.Tensor, valid: torch.Tensor, backend: str) -> None: ...  # fmt: skip
     def read_keys(self, layer: int, num_tokens: int) -> torch.Tensor: ...
+    def read_range(self, layer: int, num_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]: ...
     def note_step(self, layer: int, end: int) -> None: ...
     def prefetch_hint(self, layer: int, scores: torch.Tensor, num_slots: int) -> None: ...
     def truncate(self, layer: int, length: int) -> None: ...
@@ -285,6 +286,35 @@ class HostKVStore:
                     )
                 else:
                     copy_rows_ref(src, src_off, dst, dst_off, row)
+
+    def read_range(self, layer: int, num_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions ``0 .. num_tokens - 1`` of `layer`, each (B, H_kv, num_tokens, D) on `device`.
+
+        On CUDA with a pinned store one zero-copy gather per segment and tensor, on the current stream (order it
+        after the write-back of those rows); otherwise plain copies."""
+        device = torch.device(device)
+        bs, batch, heads = self.block_size, self.batch_size, self.num_kv_heads
+        nb = -(-num_tokens // bs)
+        shape = (batch, heads, nb, bs, self.head_dim)
+        out_k = torch.empty(shape, dtype=self.dtype, device=device)
+        out_v = torch.empty(shape, dtype=self.dtype, device=device)
+        row = bs * self.head_dim
+        for seg in self.segments:
+            lo, hi = seg.start_block, min(seg.start_block + seg.num_blocks, nb)
+            if lo >= hi:
+                continue
+            if device.type == "cuda" and self.pin:
+                bh = self._bh(batch, heads, device)
+                local = torch.arange(hi - lo, device=device)
+                src_off = ((bh * seg.num_blocks + local) * row).reshape(-1)
+                dst_off = ((bh * nb + lo + local) * row).reshape(-1)
+                for src, dst in ((seg.keys[layer], out_k), (seg.values[layer], out_v)):
+                    copy_rows(src, src_off, dst, dst_off, row)
+            else:
+                out_k[:, :, lo:hi] = seg.keys[layer][:, :, : hi - lo].to(device)
+                out_v[:, :, lo:hi] = seg.values[layer][:, :, : hi - lo].to(device)
+        flat = (batch, heads, nb * bs, self.head_dim)
+        return out_k.view(flat)[:, :, :num_tokens], out_v.view(flat)[:, :, :num_tokens]
 
     def read_keys(self, layer: int, num_tokens: int) -> torch.Tensor:
         """All keys of `layer` up to `num_tokens` as one (B, H_kv, num_tokens, D) CPU tensor (oracle/tests; copies)."""

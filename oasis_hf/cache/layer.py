@@ -112,21 +112,21 @@ class OasisLayer(CacheLayerMixin):
             )
         cfg = self.config
         start, end = self.length, self.length + key_states.shape[2]
+        chunk = False
         if start > 0:
+            # A prefill chunk (more than dense_chunk_tokens new tokens, or more new blocks than the budget holds)
+            # attends exactly over the whole sequence read back from host; shorter forwards (decode, draft
+            # verification) take the sparse step.
             forced = cfg.sink_blocks + max(cfg.recent_blocks, -(-end // cfg.block_size) - start // cfg.block_size)
-            if forced > cfg.budget_blocks:
-                raise UnsupportedError(
-                    f"a forward of {end - start} tokens on a non-empty OasisCache needs {forced} blocks resident, over "
-                    f"the budget of {cfg.budget_blocks}; raise budget_tokens or feed fewer tokens per forward"
-                )
+            chunk = forced > cfg.budget_blocks or end - start > cfg.dense_chunk_tokens
         self.cache._reserve(end)
         # A forward that will run as a captured graph writes its rows to host inside the graph; anything else
         # (prefill, CPU, eager steps) writes back here, on a side stream.
-        self._deferred_write = start > 0 and self._graphable(key_states)
+        self._deferred_write = start > 0 and not chunk and self._graphable(key_states)
         if not self._deferred_write:
             self.cache._write_back(self, key_states, value_states, start)
         self.length = end
-        self._pending = (start, end)
+        self._pending = (start, end, chunk)
         handle = key_states.view(key_states.shape)  # a distinct tensor object over the same memory
         setattr(handle, _HANDLE_ATTR, self)
         return handle, value_states
@@ -211,10 +211,12 @@ class OasisLayer(CacheLayerMixin):
         """Attention of this forward's queries (B, H_q, T, D); returns (B, T, H_q, D)."""
         if self._pending is None:
             raise RuntimeError(f"OasisCache layer {self.layer_idx}: attention ran without a matching update")
-        start, end = self._pending
+        start, end, chunk = self._pending
         self._pending = None
         if start == 0:
             return self._prefill(query, key, value, attention_mask, scale, end)
+        if chunk:
+            return self._prefill_chunk(query, key, value, attention_mask, scale, start, end)
         return self._decode(query, key, value, scale, start)
 
     def _prefill(self, query, key, value, attention_mask, scale, end) -> torch.Tensor:
@@ -239,6 +241,39 @@ class OasisLayer(CacheLayerMixin):
         self.pool_k.scatter_(2, slot_index, blocks_k.gather(2, index))
         self.pool_v.scatter_(2, slot_index, blocks_v.gather(2, index))
         self.cache.stats.record_prefill(self.layer_idx, valid)
+        return out
+
+    def _prefill_chunk(self, query, key, value, attention_mask, scale, start: int, end: int) -> torch.Tensor:
+        """A long forward on a non-empty cache (chunked prefill): exact dense attention over this layer's whole
+        sequence, the earlier part read back from host memory (one zero-copy gather on CUDA). GPU memory holds one
+        layer's K/V at a time, not the model's. Then the summaries of the blocks it touched, and a new selection
+        from its last query, with every resident slot refilled from the full K/V."""
+        cfg = self.config
+        bs = cfg.block_size
+        self._await_job()
+        if self.writeback_event is not None:  # every earlier row has landed in host memory
+            torch.cuda.current_stream(self.device).wait_event(self.writeback_event)
+            self.writeback_event = None
+        past_k, past_v = self.cache.host.read_range(self.layer_idx, start, self.device)
+        full_k, full_v = torch.cat([past_k, key], dim=2), torch.cat([past_v, value], dim=2)
+        del past_k, past_v
+        out = dense_attention(query, full_k, full_v, attention_mask, scale)
+        num_blocks = -(-end // bs)
+        pad = num_blocks * bs - end
+        blocks_k = torch.nn.functional.pad(full_k, (0, 0, 0, pad)).view(
+            self.batch_size, self.num_kv_heads, num_blocks, bs, self.head_dim
+        )
+        blocks_v = torch.nn.functional.pad(full_v, (0, 0, 0, pad)).view_as(blocks_k)
+        touched = torch.arange(start // bs, num_blocks, device=self.device)
+        self.summaries.write(touched, blocks_k[:, :, start // bs :], self._token_ok(touched, end))
+        last = torch.full((), end - 1, dtype=torch.long, device=self.device)
+        _, _, valid = self.table.plan(self._scores(query[:, :, -1:], scale, last), max_fetch=None)
+        resident = self.table.slot_block[..., : cfg.budget_blocks]
+        index = resident.clamp(0, num_blocks - 1)[..., None, None].expand(-1, -1, -1, bs, self.head_dim)
+        keep = (resident >= 0)[..., None, None]
+        self.pool_k.copy_(torch.where(keep, blocks_k.gather(2, index), self.pool_k))
+        self.pool_v.copy_(torch.where(keep, blocks_v.gather(2, index), self.pool_v))
+        self.cache.stats.record_fetched(valid)
         return out
 
     def _decode(self, query, key, value, scale, start) -> torch.Tensor:

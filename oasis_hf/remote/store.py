@@ -182,6 +182,12 @@ class RemoteBlockStore:
             else:
                 copy_rows_ref(src, src_off, self.ring, dst_off, head_dim)
 
+    def read_range(self, layer: int, num_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        raise UnsupportedError(
+            "a remote-attached OasisCache decodes: long forwards (prefill chunks) run on the prefill node, which "
+            "publishes the result"
+        )
+
     def read_keys(self, layer: int, num_tokens: int) -> torch.Tensor:
         raise UnsupportedError(
             "a remote-attached OasisCache does not hold all keys, so measure_recall and the oracle selector are "
