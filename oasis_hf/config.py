@@ -78,7 +78,8 @@ class OasisConfig:
         A forward of more new tokens than this on a non-empty cache (chunked prefill) attends exactly, over the whole
         sequence read back from host memory one layer at a time; shorter forwards (decode, draft verification) take
         the sparse step over the resident blocks. A forward whose new blocks do not fit the budget always takes the
-        exact path. Default 256.
+        exact path. Default 64: above the 1 + drafts of speculative verification, below the chunk sizes of a
+        chunked prefill (`generate(..., prefill_chunk_size=...)`).
     drop_rejected_drafts : bool
         When speculative decoding rejects drafts (``crop``), selection jobs of that forward that have not started yet
         score with the accepted tokens' queries only. Jobs already running, or replayed as CUDA graphs, keep all
@@ -104,7 +105,7 @@ class OasisConfig:
     host_memory_limit_bytes: int | None = None
     prefetch: bool = True
     measure_recall: bool = False
-    dense_chunk_tokens: int = 256
+    dense_chunk_tokens: int = 64
     drop_rejected_drafts: bool = True
     cuda_graphs: bool = True
 

@@ -270,3 +270,13 @@ def test_chunked_prefill_equals_one_prefill(family, selector, why):
     torch.testing.assert_close(chunked, one, atol=1e-4, rtol=1e-4)
     assert torch.equal(chunked_tokens, one_tokens)
     assert stats["fetched_blocks"] > 0
+
+
+def test_generate_with_hf_prefill_chunking_equals_one_prefill():
+    """transformers' own chunked prefill (`prefill_chunk_size`) runs on OasisCache and gives the same tokens."""
+    model = tiny_model("llama", attn="oasis")
+    ids, mask = left_padded([300, 260])
+    one = generate(model, ids, mask, oasis_cache(model, budget_tokens=128, max_fetch_blocks=2))
+    chunked = generate(model, ids, mask, oasis_cache(model, budget_tokens=128, max_fetch_blocks=2),
+                       prefill_chunk_size=100)
+    assert torch.equal(chunked, one)
