@@ -7,7 +7,9 @@ Generates the suite (`oasis_hf.tasks`) for the preset's model tokenizer, loads t
 same prompts under the same harness. Writes a markdown table (per task and the suite average, 0-100), JSON and a
 PNG (average accuracy against the budget per method).
 
-Not covered yet: kvpress presses (kvpress is not installed on these machines) and the GPU preset's run.
+kvpress presses (SnapKV, expected attention) run through kvpress's own API at the same KV size (``budget`` prompt
+tokens per layer and head); kvpress 0.5.5 needs a transformers that passes ``past_key_values`` to attention modules
+(5.17 here; 5.18+ renamed it), and the runner says so instead of skipping the rows.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ METHODS = {
     "previous-query": dict(selector="previous-query"),
     "lookahead (prompt lookup 3)": dict(selector="lookahead", prompt_lookup=3),
     "lookahead (draft model)": dict(selector="lookahead", draft=True),
+    "kvpress SnapKV": dict(press="SnapKVPress"),
+    "kvpress expected attention": dict(press="ExpectedAttentionPress"),
 }
 
 PRESETS = {

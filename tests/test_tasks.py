@@ -4,6 +4,7 @@ from collections import Counter
 
 import pytest
 
+from oasis_hf import UnsupportedError
 from oasis_hf.tasks import TASKS, generate, process_results, string_match_all, write_suite
 from tests._factories import tiny_model, tiny_tokenizer
 
@@ -72,3 +73,25 @@ def test_lm_eval_runs_the_suite_with_the_oasis_model(tok, tmp_path):
     for name in ("oasis_ruler_niah_single_300", "oasis_ruler_qa_300"):
         assert 0.0 <= scores[name]["score,none"] <= 100.0
     assert model.config._attn_implementation == "oasis"
+
+
+def test_kvpress_baseline_is_refused_with_the_reason(tok):
+    """Where kvpress is missing, or cannot hook this transformers (5.18+ passes `cache`, kvpress 0.5.5 reads
+    `past_key_values`), a press row fails up front and says why, instead of running dense under its name."""
+    pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra; `pip install -e .[dev]`")
+    from oasis_hf.integrations.lm_eval import OasisLM
+
+    try:
+        import kvpress  # noqa: F401
+    except ImportError:
+        expected = "needs kvpress"
+    else:
+        import inspect
+
+        from transformers.models.llama.modeling_llama import LlamaAttention
+
+        if "past_key_values" in inspect.signature(LlamaAttention.forward).parameters:
+            pytest.skip("kvpress can hook this transformers: the press rows run (eval.accuracy)")
+        expected = "reads `past_key_values`"
+    with pytest.raises(UnsupportedError, match=expected):
+        OasisLM(pretrained=tiny_model("llama"), tokenizer=tok, budget=128, device="cpu", press="SnapKVPress")
