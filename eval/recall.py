@@ -1,6 +1,8 @@
 """Selection quality on a real model: share of the exact attention that falls on the resident blocks.
 
     python -m eval.recall --model smollm2-135m-instruct --context 2000 --budgets 256 512 --out eval/results/recall_x
+    python -m eval.recall --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --context 16000 \
+        --budgets 2048 --trials 3 --out eval/results/recall_qwen_16k          # the lookahead issue's measurement
 
 For each budget and selector, one greedy generation of the same pass-key prompt (varied filler, `oasis_hf.cli
 .passkey_prompt`) with `OasisConfig(measure_recall=True)`: after every decode step of every layer the step's exact
@@ -32,6 +34,7 @@ METHODS = [  # (label, selector, prompt-lookup drafts, other OasisConfig fields)
     ("lookahead, no drafts", "lookahead", 0, {}),
     ("lookahead, prompt-lookup drafts (3)", "lookahead", 3, {}),
     ("lookahead, prompt-lookup drafts (3), rejected kept", "lookahead", 3, {"drop_rejected_drafts": False}),
+    ("lookahead, draft model", "lookahead", "draft", {}),  # needs --draft
     ("oracle (exact, synchronous)", "oracle", 0, {}),
 ]
 
@@ -44,23 +47,30 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=12)
     parser.add_argument("--trials", type=int, default=1, help="prompts (different seeds) per budget")
     parser.add_argument("--methods", nargs="+", default=None, help="labels (or label prefixes) to run; default all")
+    parser.add_argument("--draft", default=None, help="assistant model for the 'lookahead, draft model' row")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     model, tokenizer = models.load(args.model, device=args.device)
+    draft = models.load(args.draft, device=args.device, dtype=model.dtype)[0] if args.draft else None
     oasis_hf.enable(model)
     rows = []
     for budget in args.budgets:
         for label, selector, lookup, fields in METHODS:
             if args.methods and not any(label.startswith(m) for m in args.methods):
                 continue
+            if lookup == "draft" and draft is None:
+                continue
             mass, topk, correct, narrowed = [], [], 0, 0
             for trial in range(args.trials):
                 prompt, key = passkey_prompt(args.context, tokenizer, seed=trial)
                 config = oasis_hf.OasisConfig(budget_tokens=budget, selector=selector, measure_recall=True, **fields)
                 with oasis_hf.OasisCache(model.config, config) as cache:
-                    result = _run(model, tokenizer, prompt, cache, args.new_tokens, prompt_lookup=lookup)
+                    if lookup == "draft":
+                        result = _run(model, tokenizer, prompt, cache, args.new_tokens, draft=draft)
+                    else:
+                        result = _run(model, tokenizer, prompt, cache, args.new_tokens, prompt_lookup=lookup)
                     stats = cache.stats.summary()
                 narrowed += stats["narrowed_jobs"]
                 mass.append(stats["mass_recall"])

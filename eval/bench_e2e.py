@@ -1,0 +1,138 @@
+"""End-to-end generation speed on a real model pair: our batched draft-and-verify loop on OasisCache against plain
+greedy decoding, at batch 1 and batch B, on long retrieval prompts.
+
+    python -m eval.bench_e2e --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
+        --context 16000 --batches 1 8 --new-tokens 128 --budget 2048 --out eval/results/e2e_qwen_16k
+
+Every row generates `--new-tokens` greedy tokens for the same left-padded batch of pass-key prompts (one pass key per
+sequence, `oasis_hf.cli.passkey_prompt` with a seed per sequence):
+
+- ``greedy, DynamicCache``: ``model.generate`` (the baseline a user has);
+- ``greedy, OasisCache current-query``: the same with OasisKV;
+- ``HF assisted, DynamicCache`` (batch 1 only: transformers refuses larger batches);
+- ``speculative_generate, DynamicCache`` and ``speculative_generate, OasisCache lookahead``: our loop
+  (`oasis_hf.speculative_generate`), whose greedy output equals the target's greedy output.
+
+Reported per row: seconds (prefill included), new tokens/s over the batch, the ratio to greedy DynamicCache at the
+same batch, draft acceptance, whether the output equals greedy DynamicCache's, and how many pass keys came out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+import oasis_hf
+from eval._common import environment, markdown_table, synchronize, write_results
+from oasis_hf import _compat, models
+from oasis_hf.cli import passkey_prompt
+
+logger = logging.getLogger("eval.bench_e2e")
+
+
+def batch_prompts(tokenizer, context: int, batch: int, device) -> tuple[dict, list[str]]:
+    prompts, keys = zip(*(passkey_prompt(context, tokenizer, seed=i) for i in range(batch)), strict=True)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer(list(prompts), return_tensors="pt", padding=True).to(device), list(keys)
+
+
+@torch.inference_mode()
+def run_row(label: str, fn, inputs, tokenizer, keys, new_tokens: int) -> dict:
+    synchronize()
+    t0 = time.perf_counter()
+    sequences, stats = fn()
+    synchronize()
+    seconds = time.perf_counter() - t0
+    new = sequences[:, inputs["input_ids"].shape[1] :]
+    texts = tokenizer.batch_decode(new, skip_special_tokens=True)
+    batch = new.shape[0]
+    row = {"method": label, "batch": batch, "seconds": seconds, "new tokens/s": batch * new_tokens / seconds,
+           "pass keys found": f"{sum(k in t for k, t in zip(keys, texts, strict=True))}/{batch}",
+           "tokens": new[:, :new_tokens].cpu()}
+    if stats is not None:
+        row["draft acceptance"] = stats.acceptance
+    logger.info("%s, batch %d: %.2f s", label, batch, seconds)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--context", type=int, default=16000)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--drafts", type=int, default=4, help="draft tokens per round of speculative_generate")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = models.load(args.model, device=device)
+    draft = models.load(args.draft, device=device, dtype=model.dtype)[0]
+    oasis_hf.enable(model)  # dense caches still get dense attention: only OasisCache layers take the oasis path
+    n = args.new_tokens
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def cfg(selector):
+        return oasis_hf.OasisConfig(budget_tokens=args.budget, selector=selector)
+
+    inputs, gen = None, None  # set per batch below
+
+    def generate(kind: str, cache):
+        """(sequences, SpeculativeStats or None) of one row; `cache` None means DynamicCache."""
+        if kind == "speculative":
+            out = oasis_hf.speculative_generate(model, draft, inputs["input_ids"], inputs["attention_mask"],
+                                                cache=cache, max_new_tokens=n, num_draft_tokens=args.drafts,
+                                                pad_token_id=pad)
+            return out.sequences, out.stats
+        extra = {"assistant_model": draft} if kind == "assisted" else {}
+        cache = cache if cache is not None else DynamicCache(config=model.config)
+        return model.generate(**inputs, **gen, **extra, **{_compat.cache_kwarg(model): cache}), None
+
+    rows = []
+    for batch in args.batches:
+        inputs, keys = batch_prompts(tokenizer, args.context, batch, device)
+        gen = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad)
+        variants = [("greedy, DynamicCache", "greedy", None),
+                    (f"greedy, OasisCache current-query @{args.budget}", "greedy", "current-query")]
+        if batch == 1:
+            variants.append(("HF assisted (draft), DynamicCache", "assisted", None))
+        variants += [("speculative_generate, DynamicCache", "speculative", None),
+                     (f"speculative_generate, OasisCache lookahead @{args.budget}", "speculative", "lookahead")]
+        batch_rows = []
+        for label, kind, selector in variants:
+            cache = oasis_hf.OasisCache(model.config, cfg(selector)) if selector else None
+            batch_rows.append(run_row(label, lambda: generate(kind, cache), inputs, tokenizer, keys, n))  # noqa: B023
+            if cache is not None:
+                cache.close()
+        base = batch_rows[0]
+        for row in batch_rows:
+            row["vs greedy DynamicCache"] = row["new tokens/s"] / base["new tokens/s"]
+            row["same tokens as greedy DynamicCache"] = bool(torch.equal(row["tokens"], base["tokens"]))
+        for row in batch_rows:
+            row.pop("tokens")
+        rows += batch_rows
+    env = environment()
+    header = (f"Test configuration: {env.get('gpu', 'cpu')}, torch {env['torch']}, transformers {env['transformers']};"
+              f" target {args.model} ({next(model.parameters()).dtype}), draft {args.draft}; pass-key prompts of about "
+              f"{args.context} tokens, {n} greedy tokens per sequence, {args.drafts} drafts per round; budget "
+              f"{args.budget}; `{env['command']}`\n\n")
+    columns = ["method", "batch", "seconds", "new tokens/s", "vs greedy DynamicCache", "draft acceptance",
+               "same tokens as greedy DynamicCache", "pass keys found"]
+    table = header + markdown_table(rows, columns)
+    print(table)
+    if args.out is not None:
+        write_results(args.out, {"env": env, "config": vars(args) | {"out": str(args.out)}, "rows": rows}, table)
+
+
+if __name__ == "__main__":
+    main()
