@@ -53,6 +53,7 @@ def plot_vs_budget(rows: list[dict], value: str, path: Path, ylabel: str, title:
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.2))
+    rows = [r for r in rows if isinstance(r.get(value), (int, float))]  # "no decode step" and the like: not drawn
     for method in dict.fromkeys(r["method"] for r in rows):
         points = [(r["budget"], r[value]) for r in rows if r["method"] == method]
         if points[0][0] == "full":

@@ -73,12 +73,15 @@ def main() -> None:
                         result = _run(model, tokenizer, prompt, cache, args.new_tokens, prompt_lookup=lookup)
                     stats = cache.stats.summary()
                 narrowed += stats["narrowed_jobs"]
-                mass.append(stats["mass_recall"])
-                topk.append(stats["topk_recall"])
+                if stats["recall_steps"]:  # a generation that ended in its first forward has no decode step
+                    mass.append(stats["mass_recall"])
+                    topk.append(stats["topk_recall"])
                 correct += key in result["text"]
-            logger.info("budget %d %s: mass %.3f", budget, label, sum(mass) / len(mass))
-            rows.append({"budget": budget, "method": label, "attention mass on resident": sum(mass) / len(mass),
-                         "oracle top-S recall": sum(topk) / len(topk), "pass key found": f"{correct}/{args.trials}",
+            mean_mass = sum(mass) / len(mass) if mass else "no decode step"
+            logger.info("budget %d %s: mass %s", budget, label, mean_mass)
+            rows.append({"budget": budget, "method": label, "attention mass on resident": mean_mass,
+                         "oracle top-S recall": sum(topk) / len(topk) if topk else "no decode step",
+                         "pass key found": f"{correct}/{args.trials}",
                          "jobs narrowed": narrowed})
     env = environment()
     header = (f"Test configuration: {env.get('gpu', 'cpu')}, torch {env['torch']}, transformers {env['transformers']};"
