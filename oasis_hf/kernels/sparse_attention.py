@@ -25,6 +25,7 @@ import math
 import torch
 
 from oasis_hf.kernels import INTERPRET
+from oasis_hf.kernels._tiles import load_query_tile
 
 try:
     import triton
@@ -77,17 +78,9 @@ if triton is not None:
         split = tl.program_id(1)
         b = bh // H_KV
         h = bh % H_KV
-
+        q, t, row_ok, dims, dim_ok = load_query_tile(Q, b, h, stride_qb, stride_qh, stride_qt, GROUP, NUM_TOKENS,
+                                                     HEAD_DIM, BLOCK_D, BLOCK_M, DOT_FP32)
         rows = tl.arange(0, BLOCK_M)  # row m = g * NUM_TOKENS + t
-        g = rows // NUM_TOKENS
-        t = rows % NUM_TOKENS
-        row_ok = rows < GROUP * NUM_TOKENS
-        dims = tl.arange(0, BLOCK_D)
-        dim_ok = dims < HEAD_DIM
-        q_ptrs = Q + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + t[:, None] * stride_qt + dims[None, :]
-        q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-        if DOT_FP32:
-            q = q.to(tl.float32)
         seq_len = tl.load(SEQ_LEN)  # from device memory, so a captured CUDA graph replays at any length
         q_pos = seq_len - NUM_TOKENS + t  # (BLOCK_M,)
         kv_start = tl.load(KV_START + b)
