@@ -178,12 +178,27 @@ def _checkout_script(module: str, rest: list[str]) -> int:
     return 0
 
 
+#: `oasis-hf bench NAME ...` / `oasis-hf eval NAME ...` -> eval/<script>.py; without a NAME the first one runs.
+BENCH_SCRIPTS = {"decode": "bench_decode", "multigpu": "bench_multigpu", "capacity": "bench_capacity",
+                 "sweep": "bench_sweep", "kernels": "bench_kernels", "remote": "bench_remote", "e2e": "bench_e2e"}
+EVAL_SCRIPTS = {"recall": "recall", "accuracy": "accuracy"}
+
+
+def _dispatch(scripts: dict[str, str], rest: list[str]) -> int:
+    if rest and rest[0] in scripts:
+        return _checkout_script(scripts[rest[0]], rest[1:])
+    if rest and not rest[0].startswith("-"):
+        raise SystemExit(f"unknown script {rest[0]!r}; choose one of {', '.join(scripts)} (or options for "
+                         f"{next(iter(scripts))})")
+    return _checkout_script(next(iter(scripts.values())), rest)
+
+
 def cmd_bench(args) -> int:
-    return _checkout_script("bench_decode", args.rest)
+    return _dispatch(BENCH_SCRIPTS, args.rest)
 
 
 def cmd_eval(args) -> int:
-    return _checkout_script("recall", args.rest)
+    return _dispatch(EVAL_SCRIPTS, args.rest)
 
 
 # ------------------------------------------------------------------------------------------------------ parser
@@ -229,13 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
     mod.add_argument("names", nargs="*", default=[models.DEFAULT_MODEL], help="models to assemble")
     mod.set_defaults(func=cmd_models)
 
-    bench = sub.add_parser("bench", help="decode benchmark presets (source checkout); options after --",
+    bench = sub.add_parser("bench", help=f"benchmarks of a source checkout: `oasis-hf bench [{'|'.join(BENCH_SCRIPTS)}]"
+                           " [options]` runs eval/bench_<name>.py (default decode); `--help` after the name",
                            add_help=False)
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
 
-    evaluate = sub.add_parser("eval", help="selection quality on a real model: attention mass on resident blocks and "
-                              "pass-key retrieval per selector and budget (source checkout; `oasis-hf eval --help`)",
+    evaluate = sub.add_parser("eval", help="quality on real models (source checkout): `oasis-hf eval [recall|accuracy] "
+                              "[options]`; recall (default): attention mass on resident blocks and pass-key retrieval "
+                              "per selector and budget; accuracy: the RULER-style suite through lm-eval",
                               add_help=False)
     evaluate.add_argument("rest", nargs=argparse.REMAINDER)
     evaluate.set_defaults(func=cmd_eval)
@@ -246,9 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     from oasis_hf.errors import OasisError
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    passthrough = {"bench": "bench_decode", "eval": "recall"}  # their options belong to the eval/ scripts
+    passthrough = {"bench": BENCH_SCRIPTS, "eval": EVAL_SCRIPTS}  # their options belong to the eval/ scripts
     if argv and argv[0] in passthrough:
-        return _checkout_script(passthrough[argv[0]], argv[1:])
+        return _dispatch(passthrough[argv[0]], argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:

@@ -67,4 +67,10 @@ def test_checkout_commands_pass_their_options_through(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--help"])
     assert exit_info.value.code == 0
-    assert "--preset" in capsys.readouterr().out
+    assert "--preset" in capsys.readouterr().out  # bench_decode, the default
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "remote", "--help"])
+    assert exit_info.value.code == 0
+    assert "--ahead-blocks" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown script 'nope'"):
+        main(["bench", "nope"])
