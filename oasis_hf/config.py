@@ -69,6 +69,11 @@ class OasisConfig:
         Run the selection jobs of asynchronous selectors (``lookahead``, ``previous-query``) on a background worker
         thread and CUDA stream. The next step of a layer waits for its job, so the output is the same with
         ``False``, which runs each job inline right after the step. Default True.
+    prefetch_policy : str
+        What a step does when its layer's selection job is still running: ``"wait"`` (default: wait for it, so the
+        selection never depends on timing) or ``"stale"`` (run on the blocks already resident, count a stale step,
+        and let a later job's proposal in; a job proposes the delta into staging buffers and the next step commits
+        it, revalidated, only if the job has finished). Either way attention is exact over what is resident.
     measure_recall : bool
         After each decode step, compare what was resident with the step's exact attention (all keys read back from
         host memory: slow, for evaluation). Adds ``mass_recall`` (share of the exact attention mass on resident
@@ -104,6 +109,7 @@ class OasisConfig:
     host_memory_headroom_bytes: int = 1 << 30
     host_memory_limit_bytes: int | None = None
     prefetch: bool = True
+    prefetch_policy: str = "wait"
     measure_recall: bool = False
     dense_chunk_tokens: int = 64
     drop_rejected_drafts: bool = True
@@ -142,6 +148,8 @@ class OasisConfig:
             raise bad("selector", self.selector, f"choose one of {sorted(SELECTORS)}")
         if self.summary not in SUMMARY_KINDS:
             raise bad("summary", self.summary, f"choose one of {list(SUMMARY_KINDS)}")
+        if self.prefetch_policy not in ("wait", "stale"):
+            raise bad("prefetch_policy", self.prefetch_policy, "choose 'wait' or 'stale'")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise bad("kernel_backend", self.kernel_backend, f"choose one of {list(KERNEL_BACKENDS)}")
         if self.max_fetch_blocks is not None and (

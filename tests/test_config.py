@@ -23,6 +23,7 @@ BAD = [
     ("host_memory_headroom_bytes", -5, "non-negative"),
     ("host_memory_limit_bytes", 0, "positive int"),
     ("dense_chunk_tokens", 0, "positive int"),
+    ("prefetch_policy", "late", "'wait' or 'stale'"),
     ("cuda_graphs", 1, "True or False"),
 ]
 

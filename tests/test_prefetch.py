@@ -253,3 +253,56 @@ def test_rejected_drafts_are_dropped_from_jobs_not_started(monkeypatch, drop):
     else:
         assert narrowed == 0 and seen[:4] == [4, 4, 4, 4]
     torch.testing.assert_close(after, expected)
+
+
+def _table_is_consistent(cache) -> None:
+    for layer in cache.oasis_layers:
+        table = layer.table
+        slots = table.slot_block[..., : table.num_slots]
+        for b in range(slots.shape[0]):
+            for h in range(slots.shape[1]):
+                resident = [int(x) for x in slots[b, h] if x >= 0]
+                assert len(resident) == len(set(resident)), "a block is resident twice"
+                for slot, block in enumerate(slots[b, h].tolist()):
+                    if block >= 0:
+                        assert int(table.block_slot[b, h, block]) == slot
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_stale_policy_inline_equals_wait(family):
+    """With jobs inline every proposal is finished at the next step, so committing it then (stale) must give
+    exactly what applying it right away (wait) gives."""
+    model = tiny_model(family, attn="oasis")
+    ids, mask = left_padded([260, 200])
+    outs = []
+    for policy in ("wait", "stale"):
+        with oasis_cache(model, selector="lookahead", prefetch=False, prefetch_policy=policy, **SMALL) as cache:
+            outs.append(model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=30,
+                                       do_sample=False, pad_token_id=0, output_logits=True,
+                                       return_dict_in_generate=True))
+            stats = cache.stats.summary()
+        assert stats["fetched_blocks"] > 0 and stats["stale_steps"] == 0
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    torch.testing.assert_close(torch.stack(outs[0].logits), torch.stack(outs[1].logits), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("budget", [4096, 128], ids=["budget-covers-context", "small-budget"])
+def test_stale_policy_does_not_wait_for_a_slow_worker(monkeypatch, budget):
+    """A worker slower than the steps: stale steps run on what is resident (counted) instead of stalling, the table
+    stays consistent, and with the budget covering the context the output is dense's. (The cache still waits for
+    its jobs before the host store grows and when the stats are read.)"""
+    slow_jobs(monkeypatch, 0.01)
+    model = tiny_model("llama", attn="oasis")
+    ids, mask = left_padded([260, 200])
+    fields = dict(SMALL, budget_tokens=budget, host_capacity_tokens=1024)  # no growth during the run
+    stalls = {}
+    for policy in ("wait", "stale"):
+        with oasis_cache(model, selector="lookahead", prefetch_policy=policy, **fields) as cache:
+            out = generate(model, ids, mask, cache)
+            stalls[policy] = cache.stats.prefetch_stall_s  # before summary() drains the last jobs
+            stats = cache.stats.summary()
+            _table_is_consistent(cache)
+    assert stats["stale_steps"] > 0
+    assert stalls["stale"] < stalls["wait"] / 4, stalls
+    if budget == 4096:
+        assert torch.equal(out, generate(tiny_model("llama"), ids, mask, DynamicCache(config=model.config)))

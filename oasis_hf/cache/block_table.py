@@ -83,6 +83,14 @@ class BlockTable:
         blocks, slots, valid : (B, H_kv, S) — fetch ``blocks[j]`` into ``slots[j]`` where ``valid[j]``.
         The table is already updated; the caller copies the data before reading the pool.
         """
+        blocks, free_slots, valid, block_scores = self.propose(scores, max_fetch)
+        self.assign(blocks, free_slots, valid, block_scores)
+        self.refresh_scores(scores)
+        return blocks, free_slots, valid
+
+    def propose(self, scores: torch.Tensor, max_fetch: int | None):
+        """`plan` without touching the table: (blocks, slots, valid, block_scores), each (B, H_kv, S), the valid
+        entries first. `commit` applies it later (the ``stale`` prefetch policy)."""
         num_slots = self.num_slots
         top, wanted = scores.topk(num_slots, dim=-1)  # sorted, best first
         wanted_ok = top > -INF
@@ -103,11 +111,27 @@ class BlockTable:
             num_forced = (valid & forced).sum(-1, keepdim=True)
             rank = torch.arange(num_slots, device=scores.device)
             valid = valid & (forced | (rank < num_forced + max_fetch))
-        self.assign(blocks, free_slots, valid, block_scores)
-        # Refresh the importance of everything resident with this step's scores (eviction order next time).
+        return blocks, free_slots, valid, block_scores
+
+    def refresh_scores(self, scores: torch.Tensor) -> None:
+        """Refresh the importance of everything resident with `scores` (the eviction order of the next plan);
+        blocks past the width of `scores` (the table grew since) keep theirs."""
+        num_slots, width = self.num_slots, scores.shape[-1]
         now = self.slot_block[..., :num_slots]
-        self.slot_score[..., :num_slots] = torch.where(now >= 0, scores.gather(-1, now.clamp(min=0)), -INF)
-        return blocks, free_slots, valid
+        fresh = scores.gather(-1, now.clamp(0, width - 1))
+        self.slot_score[..., :num_slots] = torch.where(
+            now >= width, self.slot_score[..., :num_slots], torch.where(now >= 0, fresh, -INF)
+        )
+
+    def commit(self, blocks, slots, valid, expected, block_scores, scores) -> torch.Tensor:
+        """Apply a proposal made earlier against a table that may have changed since: an entry installs
+        ``blocks[j]`` into ``slots[j]`` only if that slot still holds ``expected[j]`` and the block is not resident
+        elsewhere. Returns the entries applied (B, H_kv, N); the caller copies their data into the pool."""
+        applied = valid & (self.slot_block.gather(-1, slots) == expected)
+        applied &= self.block_slot.gather(-1, blocks.clamp(0, self.capacity_blocks - 1)) < 0
+        self.assign(blocks, slots, applied, block_scores)
+        self.refresh_scores(scores)
+        return applied
 
     def allocate(
         self, new_blocks: torch.Tensor, pinned: torch.Tensor, valid: torch.Tensor | None = None

@@ -69,6 +69,8 @@ class OasisLayer(CacheLayerMixin):
         self._job_graphs: dict[int, _JobGraph] = {}  # T -> captured selection job (asynchronous selectors)
         self._job_warm: set[int] = set()
         self._eager_job: _EagerJob | None = None  # the latest eager selection job (see drop_rejected)
+        self._staged: dict[str, torch.Tensor] | None = None  # the stale policy's proposal buffers
+        self._stage_pending = False  # a proposal waits to be committed by the next step
         self._warm: set[int] = set()  # T values whose step already ran eagerly on the capture stream
 
     # ------------------------------------------------------------------------------------------ HF layer API
@@ -147,6 +149,7 @@ class OasisLayer(CacheLayerMixin):
         if tokens_to_remove == 0 or self.length == 0:
             return
         self._await_job()  # the job rewrites the table that crop edits
+        self._stage_pending = False  # a proposal may name blocks that no longer exist
         self.length = max(0, self.length + tokens_to_remove)
         if self.cache.host is not None:
             self.cache.host.truncate(self.layer_idx, self.length)
@@ -161,6 +164,7 @@ class OasisLayer(CacheLayerMixin):
             self._await_job()
         self._graphs.clear()  # the next prefill sets a new kv_start tensor
         self._job_graphs.clear()
+        self._stage_pending = False
         self.length = 0
         self._pending = None
         self.kv_start = None
@@ -192,6 +196,11 @@ class OasisLayer(CacheLayerMixin):
         if self.is_initialized:
             self._graphs.clear()  # captured steps address the old tables and host segments
             self._job_graphs.clear()
+            if self._stage_pending:  # commit it first: its scores and blocks address the old capacity
+                self._await_job()  # the cache waited for every job before growing, so this does not block
+                self._apply_staged()
+            self._staged = None
+            self._job_warm.clear()  # the next job of each T runs eagerly (and allocates) before a capture
             self.table.grow(capacity_blocks)
             self.summaries.grow(capacity_blocks)
 
@@ -278,7 +287,10 @@ class OasisLayer(CacheLayerMixin):
 
     def _decode(self, query, key, value, scale, start) -> torch.Tensor:
         self.cache.stats.decode_layer_steps += 1
-        self._await_job()  # the previous step's selection job rewrote this layer's table and pool
+        if self.config.prefetch_policy == "stale" and self.cache.selector.asynchronous:
+            self._commit_staged()  # the previous step's proposal, if its job is done; never waits
+        else:
+            self._await_job()  # the previous step's selection job rewrote this layer's table and pool
         if self.writeback_event is not None:  # host rows written on the side stream before any block is read back
             torch.cuda.current_stream(self.device).wait_event(self.writeback_event)
             self.writeback_event = None  # later work on this stream stays ordered after the wait
@@ -323,15 +335,85 @@ class OasisLayer(CacheLayerMixin):
         rows = self.cache.selector.lookahead_queries(query)
         last = start + (num_tokens - 1)  # the next step's view: everything up to this forward's last token
         scores = self._scores(rows, scale, last, num_tokens=1)
-        blocks, slots, valid = self.table.plan(scores, cfg.max_fetch_blocks)
-        self.cache.host.fetch(self.layer_idx, blocks, self.pool_k, self.pool_v, slots, valid, cfg.kernel_backend)
-        self.cache.stats.record_fetched(valid)
+        if cfg.prefetch_policy == "stale":
+            self._stage(scores)
+        else:
+            blocks, slots, valid = self.table.plan(scores, cfg.max_fetch_blocks)
+            self.cache.host.fetch(self.layer_idx, blocks, self.pool_k, self.pool_v, slots, valid, cfg.kernel_backend)
+            self.cache.stats.record_fetched(valid)
         self.cache.host.prefetch_hint(self.layer_idx, scores, self.table.num_slots)  # remote tier: pull ahead
+
+    def _stage(self, scores: torch.Tensor) -> None:
+        """The ``stale`` policy's job: propose the delta without touching the table, and gather the proposed blocks
+        into staging buffers; the layer's next step commits it if the job has finished by then (`_commit_staged`).
+        Writes only buffers the step never reads, so the step may run concurrently with it."""
+        cfg = self.config
+        blocks, slots, valid, block_scores = self.table.propose(scores, cfg.max_fetch_blocks)
+        width = self._stage_width()
+        st = self._staged
+        if st is None or st["scores"].shape != scores.shape:
+            shape = (self.batch_size, self.num_kv_heads, width)
+            pool = (*shape, cfg.block_size, self.head_dim)
+            st = self._staged = {
+                "blocks": torch.zeros(shape, dtype=torch.long, device=self.device),
+                "slots": torch.zeros(shape, dtype=torch.long, device=self.device),
+                "valid": torch.zeros(shape, dtype=torch.bool, device=self.device),
+                "expected": torch.zeros(shape, dtype=torch.long, device=self.device),
+                "block_scores": torch.zeros(shape, dtype=torch.float32, device=self.device),
+                "scores": torch.zeros_like(scores, dtype=torch.float32),
+                "k": torch.zeros(pool, dtype=self.dtype, device=self.device),
+                "v": torch.zeros(pool, dtype=self.dtype, device=self.device),
+            }
+        st["blocks"].copy_(blocks[..., :width])
+        st["slots"].copy_(slots[..., :width])
+        st["valid"].copy_(valid[..., :width])
+        st["expected"].copy_(self.table.slot_block.gather(-1, slots[..., :width]))
+        st["block_scores"].copy_(block_scores[..., :width])
+        st["scores"].copy_(scores)
+        entries = self._arange(width).expand(self.batch_size, self.num_kv_heads, -1)
+        self.cache.host.fetch(self.layer_idx, st["blocks"], st["k"], st["v"], entries, st["valid"],
+                              cfg.kernel_backend)
+
+    def _stage_width(self) -> int:
+        """Proposal entries kept: the fetch cap plus the blocks that are always resident (their misses are forced)."""
+        cfg = self.config
+        if cfg.max_fetch_blocks is None:
+            return cfg.budget_blocks
+        return min(cfg.budget_blocks, cfg.max_fetch_blocks + cfg.sink_blocks + cfg.recent_blocks)
+
+    def _commit_staged(self) -> None:
+        """The ``stale`` policy at the start of a step: commit the last job's proposal if it has finished (its
+        entries revalidated against the table as it is now), else run on the blocks already resident and count a
+        stale step. Never waits for the worker."""
+        if not self._stage_pending:
+            return
+        ticket = self._ticket
+        if ticket is not None:
+            finished = ticket.done.is_set() and (ticket.finished is None or ticket.finished.query())
+            if not finished:
+                self.cache.stats.prefetch_late += 1
+                self.cache.stats.stale_steps += 1
+                return  # the next job replaces the proposal; the worker runs jobs in order
+            self._await_job()  # does not wait: orders this stream after the job's work
+        self._apply_staged()
+
+    def _apply_staged(self) -> None:
+        """Commit the finished proposal: revalidate its entries, install them, copy their blocks into the pool."""
+        self._stage_pending = False
+        st = self._staged
+        applied = self.table.commit(st["blocks"], st["slots"], st["valid"], st["expected"], st["block_scores"],
+                                    st["scores"])
+        index = st["slots"][..., None, None].expand(-1, -1, -1, self.config.block_size, self.head_dim)
+        keep = applied[..., None, None]
+        self.pool_k.scatter_(2, index, torch.where(keep, st["k"], self.pool_k.gather(2, index)))
+        self.pool_v.scatter_(2, index, torch.where(keep, st["v"], self.pool_v.gather(2, index)))
+        self.cache.stats.record_fetched(applied)
 
     def _submit_job(self, query, start, num_tokens: int, scale: float, graphed: bool) -> None:
         """Run (prefetch off) or queue (prefetch on) this step's selection job. `graphed`: the step was a graph
         replay, so `query`/`start` are its static buffers and the job can be a captured graph as well."""
         self.cache.stats.prefetch_jobs += 1
+        self._stage_pending = self.config.prefetch_policy == "stale"
         self.cache.host.note_step(self.layer_idx, self.length)
         run = self._job_runner(query, start, num_tokens, scale, graphed and self.cache.host.capturable_fetch)
         if not self.config.prefetch:

@@ -22,6 +22,7 @@ class OasisStats:
     prefetch_jobs: int = 0  # selection jobs submitted (asynchronous selectors)
     prefetch_late: int = 0  # jobs not finished on the host when their layer's next step needed them
     prefetch_stall_s: float = 0.0  # host seconds spent waiting for late jobs
+    stale_steps: int = 0  # layer-steps that ran on the blocks already resident because their job was late (stale)
     narrowed_jobs: int = 0  # selection jobs that dropped rejected-draft queries before they started
     recall_steps: int = 0  # layer-steps measured (OasisConfig.measure_recall)
     mass_recall_sum: float = 0.0
@@ -60,6 +61,7 @@ class OasisStats:
             "prefetch_late": self.prefetch_late,
             "prefetch_stall_s": self.prefetch_stall_s,
             "narrowed_jobs": self.narrowed_jobs,
+            "stale_steps": self.stale_steps,
             "initial_blocks": totals[0],
             "fetched_blocks": totals[1],
             "fetched_blocks_per_layer_step": totals[1] / max(1, self.decode_layer_steps),
