@@ -40,7 +40,8 @@ PRESETS = {
     # own offloading. Plain decoding, so the lookahead queries are the previous step's (no drafts).
     "lookahead-8b-b8-32k": dict(shape=LLAMA_8B, batch=8, context=32512, host_capacity=32768, budget=2048,
                                 selectors=["current-query", "lookahead", "static"],
-                                extra=[("lookahead", dict(prefetch=False), "selection jobs inline")],
+                                extra=[("lookahead", dict(prefetch=False), "selection jobs inline"),
+                                       ("lookahead", dict(prefetch_policy="stale"), "stale policy")],
                                 floor_context=None, offload=True, warmup=3, repeats=20),
     # Performance issue: one long sequence, where dense reads 16 GiB of KV per step and OasisKV 256 MiB.
     "b1-128k": dict(shape=LLAMA_8B, batch=1, context=130560, host_capacity=131072, budget=2048,
@@ -113,6 +114,8 @@ def run_method(model, name: str, make_cache, input_ids, warmup: int, repeats: in
         stats = cache.stats.summary()  # waits for outstanding selection jobs
         row["fetched blocks/layer-step"] = stats["fetched_blocks_per_layer_step"]
         row["prefetch late jobs"] = stats["prefetch_late"]
+        if cache.config.prefetch_policy == "stale":
+            row["stale layer-steps"] = stats["stale_steps"]
         row["prefetch stall ms/step"] = stats["prefetch_stall_s"] * 1e3 / max(1, warmup + repeats)
         layers = len(cache.oasis_layers)
         block_bytes = cache.host.bytes_per_block() // batch  # K + V of one (sequence, all heads) block
@@ -232,7 +235,8 @@ def main() -> None:
     columns = ["method", "ms/step (median)", "ms/step (p90)", "tokens/s", "step vs dense", "step vs static",
                "tokens/s vs HF offloading", "host enqueue ms/step", "GPU KV MiB/seq", "GPU KV vs dense",
                "host MiB/seq", "fetched blocks/layer-step", "PCIe MB/step", "gather GB/s", "prefetch late jobs",
-               "prefetch stall ms/step", "graph replay host us", "graph replay GPU us", "prefill s", "prefill peak GiB"]
+               "stale layer-steps", "prefetch stall ms/step", "graph replay host us", "graph replay GPU us",
+               "prefill s", "prefill peak GiB"]
     columns = [c for c in columns if any(c in row for row in rows)]
     env = environment()
     header = (f"Test configuration: {env.get('gpu', 'cpu')}, torch {env['torch']}, transformers "
