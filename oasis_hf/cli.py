@@ -34,7 +34,8 @@ def _config(args):
     return OasisConfig(**fields)
 
 
-def _run(model, tokenizer, prompt: str, cache, max_new_tokens: int, draft=None, prompt_lookup: int = 0) -> dict:
+def _run(model, tokenizer, prompt: str, cache, max_new_tokens: int, draft=None, prompt_lookup: int = 0,
+         prefill_chunk: int | None = None) -> dict:
     """Greedy generation of `prompt`; returns text, new tokens, seconds."""
     from oasis_hf import _compat
 
@@ -44,6 +45,8 @@ def _run(model, tokenizer, prompt: str, cache, max_new_tokens: int, draft=None, 
         kwargs["assistant_model"] = draft
     if prompt_lookup:
         kwargs["prompt_lookup_num_tokens"] = prompt_lookup
+    if prefill_chunk:
+        kwargs["prefill_chunk_size"] = prefill_chunk
     if cache is not None:
         kwargs[_compat.cache_kwarg(model)] = cache
     t0 = time.perf_counter()
@@ -85,7 +88,8 @@ def cmd_generate(args) -> int:
     draft = models.load(args.draft, device=args.device)[0] if args.draft else None
     oasis_hf.enable(model)
     with oasis_hf.OasisCache(model.config, config) as cache:
-        result = _run(model, tokenizer, prompt, cache, args.max_new_tokens, draft, args.prompt_lookup)
+        result = _run(model, tokenizer, prompt, cache, args.max_new_tokens, draft, args.prompt_lookup,
+                      args.prefill_chunk)
         print(result["text"])
         print(_stats_line(result, cache), file=sys.stderr)
     return 0
@@ -229,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft", help="draft (assistant) model: packaged name, folder or Hub id")
     gen.add_argument("--block-size", type=int, default=32, help="tokens per KV block (power of two, 16..256)")
     gen.add_argument("--selector", default="lookahead", choices=sorted(SELECTORS), help="block selection policy")
+    gen.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                     help="prefill the prompt N tokens at a time (each chunk attends exactly over the K/V read back "
+                          "from host memory, so GPU memory holds one layer's K/V at a time); default: one prefill")
     gen.add_argument("--measure-recall", action="store_true",
                      help="report the share of exact attention on resident blocks (slow: reads all keys back)")
     gen.set_defaults(func=cmd_generate)

@@ -28,6 +28,18 @@ def test_generate_on_a_tiny_model(tiny_dir, tmp_path, capsys):
     assert "tokens/s" in err and "GPU KV" in err and "prefetch late" in err
 
 
+def test_generate_with_chunked_prefill_prints_the_same_text(tiny_dir, tmp_path, capsys):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(words(200, seed=9))
+    args = ["generate", "--model", str(tiny_dir), "--prompt-file", str(prompt), "--device", "cpu", "--budget", "128",
+            "--block-size", "16", "--max-new-tokens", "8", "--selector", "lookahead", "--prompt-lookup", "0"]
+    texts = []
+    for extra in ([], ["--prefill-chunk", "100"]):  # chunks of 100 and 101 tokens: both take the exact path
+        assert main(args + extra) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1]
+
+
 def test_help_explains_each_command():
     out = subprocess.run([sys.executable, "-m", "oasis_hf.cli", "--help"], capture_output=True, text=True, check=True)
     for command in ("generate", "demo", "models", "bench", "eval"):
