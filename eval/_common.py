@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import platform
 import shlex
@@ -41,7 +42,20 @@ def environment() -> dict:
                                         check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         env["git_sha"] = None
+    # A copy of the working tree (the GPU machine's) may carry stale git metadata or uncommitted changes: record what
+    # actually ran. `python -m eval._common` prints the same hash for a checkout.
+    env["source_sha256"] = source_hash()
     return env
+
+
+def source_hash() -> str:
+    """sha256 (first 12 hex digits) of the Python sources of `oasis_hf/` and `eval/`, in path order."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted([*root.glob("oasis_hf/**/*.py"), *root.glob("eval/*.py")]):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def synchronize() -> None:
@@ -91,7 +105,24 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
+def finish(args, table: str, payload: dict, plot=None) -> None:
+    """Print the table; with ``--out``, write markdown + JSON (the run's arguments under ``"config"``, the
+    environment under ``"env"``) and the figure ``plot(payload, path)`` draws."""
+    print(table)
+    if args.out is None:
+        return
+    payload = {"env": payload.pop("env", None) or environment(), "config": vars(args) | {"out": str(args.out)},
+               **payload}
+    write_results(args.out, payload, table)
+    if plot is not None:
+        plot(payload, args.out)
+
+
 def write_results(path: Path, payload: dict, table: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".json").write_text(json.dumps(payload, indent=2, default=str))
     path.with_suffix(".md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    print(source_hash())

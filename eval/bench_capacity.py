@@ -17,7 +17,7 @@ import logging
 from transformers import DynamicCache
 
 import oasis_hf
-from eval._common import environment, markdown_table, write_results
+from eval._common import environment, finish, markdown_table
 from eval.bench_multigpu import (
     GIB,
     SHAPES,
@@ -94,12 +94,7 @@ def main() -> None:
               f"random values (no prefill forward); `{env['command']}`\n\n")
     columns = ["method", "context", "batch", "batch limited by", "batch vs dense", "ms/step (median)", "tokens/s",
                "tokens/s vs dense", "GPU KV GiB (total)", "GPU KV MiB/seq", "host GiB (total)", "KV fill s"]
-    table = header + markdown_table(rows, columns)
-    print(table)
-    if args.out is not None:
-        payload = {"env": env, "config": vars(args) | {"out": str(args.out)}, "shape": shape, "rows": rows}
-        write_results(args.out, payload, table)
-        plot_throughput(payload, args.out)
+    finish(args, header + markdown_table(rows, columns), {"env": env, "shape": shape, "rows": rows}, plot_throughput)
 
 
 if __name__ == "__main__":

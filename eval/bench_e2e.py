@@ -28,7 +28,7 @@ import torch
 from transformers import DynamicCache
 
 import oasis_hf
-from eval._common import environment, markdown_table, synchronize, write_results
+from eval._common import environment, finish, markdown_table, synchronize
 from oasis_hf import _compat, models
 from oasis_hf.cli import passkey_prompt
 
@@ -128,10 +128,7 @@ def main() -> None:
               f"{args.budget}; `{env['command']}`\n\n")
     columns = ["method", "batch", "seconds", "new tokens/s", "vs greedy DynamicCache", "draft acceptance",
                "same tokens as greedy DynamicCache", "pass keys found"]
-    table = header + markdown_table(rows, columns)
-    print(table)
-    if args.out is not None:
-        write_results(args.out, {"env": env, "config": vars(args) | {"out": str(args.out)}, "rows": rows}, table)
+    finish(args, header + markdown_table(rows, columns), {"env": env, "rows": rows})
 
 
 if __name__ == "__main__":

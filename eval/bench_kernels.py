@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from eval._common import environment, markdown_table, median, write_results
+from eval._common import environment, finish, markdown_table, median
 from eval.plot import plot_kernels
 from oasis_hf.kernels import sparse_attention, sparse_attention_ref
 
@@ -113,12 +113,7 @@ def main() -> None:
               f"same run; `{env['command']}`\n\n")
     columns = ["kernel", "batch", "H_q", "H_kv", "D", "budget", "T", "us", "MB read", "GB/s", "% of copy bandwidth",
                "max abs err vs twin"]
-    table = header + markdown_table(rows, columns)
-    print(table)
-    if args.out is not None:
-        payload = {"env": env, "config": vars(args) | {"out": str(args.out)}, "copy GB/s": hbm, "rows": rows}
-        write_results(args.out, payload, table)
-        plot_kernels(payload, args.out)
+    finish(args, header + markdown_table(rows, columns), {"env": env, "copy GB/s": hbm, "rows": rows}, plot_kernels)
 
 
 if __name__ == "__main__":

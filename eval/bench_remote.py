@@ -33,7 +33,7 @@ import torch
 from transformers import LlamaConfig
 
 import oasis_hf
-from eval._common import environment, markdown_table, median, write_results
+from eval._common import environment, finish, markdown_table, median
 from eval.bench_decode import LLAMA_8B
 from eval.plot import plot_remote_memory
 from oasis_hf.remote import MooncakeCluster, MooncakeTier, attach, publish
@@ -109,10 +109,7 @@ def real_model(args) -> None:
               f"{args.steps} greedy steps; Mooncake master + pool on loopback; `{env['command']}`\n\n")
     answer = tokenizer.decode(reference)
     table = header + markdown_table(rows, list(rows[0])) + f"\n\nAnswer: {answer!r} (pass key {key})."
-    print(table)
-    if args.out is not None:
-        write_results(args.out, {"env": env, "config": vars(args) | {"out": str(args.out)}, "rows": rows,
-                                 "answer": answer, "key": key}, table)
+    finish(args, table, {"env": env, "rows": rows, "answer": answer, "key": key})
 
 
 def main() -> None:
@@ -260,12 +257,8 @@ def main() -> None:
                                      "job waits on ahead pulls s", "attach s"])
              + f"\n\nPrefill fill {fill_s:.1f} s, publish {published / 2**20:.0f} MiB in {publish_s:.1f} s, attach "
                f"pulls the {runs[-1]['attach pulled']} resident blocks.")
-    print(table)
-    if args.out is not None:
-        payload = {"env": env, "config": vars(args) | {"out": str(args.out)}, "memory": memory_rows,
-                   "pulls": pull_rows, "lead": lead_rows, "runs": runs, "publish_s": publish_s}
-        write_results(args.out, payload, table)
-        plot_remote_memory(payload, args.out)
+    finish(args, table, {"env": env, "memory": memory_rows, "pulls": pull_rows, "lead": lead_rows, "runs": runs,
+                         "publish_s": publish_s}, plot_remote_memory)
 
 
 if __name__ == "__main__":

@@ -57,12 +57,12 @@ class BlockStore(Protocol):
     def fetch(self, layer: int, blocks: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
               slots: torch.Tensor, valid: torch.Tensor, backend: str) -> None: ...  # fmt: skip
     def read_keys(self, layer: int, num_tokens: int) -> torch.Tensor: ...
-    def read_range(self, layer: int, num_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def read_range(self, layer: int, num_tokens: int, device, values: bool = True): ...
     def note_step(self, layer: int, end: int) -> None: ...
     def prefetch_hint(self, layer: int, scores: torch.Tensor, num_slots: int) -> None: ...
     def truncate(self, layer: int, length: int) -> None: ...
-    def release(self) -> None: ...
-    def close(self) -> None: ...
+    def release(self) -> None: ...  # free the memory (reset); the store can grow again
+    def close(self) -> None: ...  # the cache is closed: the request is finished
 
 
 @dataclass
@@ -170,8 +170,8 @@ class HostKVStore:
         overwritten here."""
 
     def close(self) -> None:
-        """Free the host memory (as `release`)."""
-        self.release()
+        """The cache is done with its sequences: nothing to hand back here (the memory goes with the cache, or with
+        `release` on `reset`); a remote store frees the request's objects."""
 
     def release(self) -> None:
         """Free all host memory (the store can grow again afterwards)."""
@@ -287,8 +287,9 @@ class HostKVStore:
                 else:
                     copy_rows_ref(src, src_off, dst, dst_off, row)
 
-    def read_range(self, layer: int, num_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of positions ``0 .. num_tokens - 1`` of `layer`, each (B, H_kv, num_tokens, D) on `device`.
+    def read_range(self, layer: int, num_tokens: int, device, values: bool = True):
+        """K and V of positions ``0 .. num_tokens - 1`` of `layer`, each (B, H_kv, num_tokens, D) on `device`
+        (V is None with ``values=False``).
 
         On CUDA with a pinned store one zero-copy gather per segment and tensor, on the current stream (order it
         after the write-back of those rows); otherwise plain copies."""
@@ -297,7 +298,7 @@ class HostKVStore:
         nb = -(-num_tokens // bs)
         shape = (batch, heads, nb, bs, self.head_dim)
         out_k = torch.empty(shape, dtype=self.dtype, device=device)
-        out_v = torch.empty(shape, dtype=self.dtype, device=device)
+        out_v = torch.empty(shape, dtype=self.dtype, device=device) if values else None
         row = bs * self.head_dim
         for seg in self.segments:
             lo, hi = seg.start_block, min(seg.start_block + seg.num_blocks, nb)
@@ -309,21 +310,16 @@ class HostKVStore:
                 src_off = ((bh * seg.num_blocks + local) * row).reshape(-1)
                 dst_off = ((bh * nb + lo + local) * row).reshape(-1)
                 for src, dst in ((seg.keys[layer], out_k), (seg.values[layer], out_v)):
-                    copy_rows(src, src_off, dst, dst_off, row)
+                    if dst is not None:
+                        copy_rows(src, src_off, dst, dst_off, row)
             else:
                 out_k[:, :, lo:hi] = seg.keys[layer][:, :, : hi - lo].to(device)
-                out_v[:, :, lo:hi] = seg.values[layer][:, :, : hi - lo].to(device)
+                if values:
+                    out_v[:, :, lo:hi] = seg.values[layer][:, :, : hi - lo].to(device)
         flat = (batch, heads, nb * bs, self.head_dim)
-        return out_k.view(flat)[:, :, :num_tokens], out_v.view(flat)[:, :, :num_tokens]
+        keys = out_k.view(flat)[:, :, :num_tokens]
+        return keys, (out_v.view(flat)[:, :, :num_tokens] if values else None)
 
     def read_keys(self, layer: int, num_tokens: int) -> torch.Tensor:
         """All keys of `layer` up to `num_tokens` as one (B, H_kv, num_tokens, D) CPU tensor (oracle/tests; copies)."""
-        parts = []
-        bs = self.block_size
-        for seg in self.segments:
-            flat = seg.keys[layer].view(self.batch_size, self.num_kv_heads, seg.num_blocks * bs, self.head_dim)
-            take = min(num_tokens - seg.start_block * bs, seg.num_blocks * bs)
-            if take <= 0:
-                break
-            parts.append(flat[:, :, :take])
-        return torch.cat(parts, dim=2)
+        return self.read_range(layer, num_tokens, "cpu", values=False)[0]

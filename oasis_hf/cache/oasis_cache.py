@@ -130,8 +130,8 @@ class OasisCache(Cache):
             self.wait()
         finally:
             _close_all(self._prefetchers)
-            if self.host is not None and not self.host.capturable_fetch:  # remote tier: the request is finished
-                self.host.close()
+            if self.host is not None:
+                self.host.close()  # a remote store frees the request's objects; the local one keeps its memory
 
     def __enter__(self) -> OasisCache:
         return self

@@ -13,6 +13,7 @@ devices finish the work that may still read it.
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 
 import torch
@@ -48,10 +49,7 @@ class PinnedBuffer:
 
     def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of `shape` and `dtype` over bytes ``offset ..`` of the buffer (no copy)."""
-        count = 1
-        for size in shape:
-            count *= size
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         return self.data[offset : offset + nbytes].view(dtype).view(shape)
 
     def release(self) -> None:

@@ -182,7 +182,7 @@ class RemoteBlockStore:
             else:
                 copy_rows_ref(src, src_off, self.ring, dst_off, head_dim)
 
-    def read_range(self, layer: int, num_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_range(self, layer: int, num_tokens: int, device, values: bool = True):
         raise UnsupportedError(
             "a remote-attached OasisCache decodes: long forwards (prefill chunks) run on the prefill node, which "
             "publishes the result"
