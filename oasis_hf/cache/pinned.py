@@ -7,13 +7,20 @@ allocation of a long-context run, so it allocates ordinary memory and page-locks
 the GPU addresses it through unified virtual addressing, as the zero-copy kernels do).
 
 The registration is undone when the buffer's owner is collected or `PinnedBuffer.release` is called, after the
-devices finish the work that may still read it.
+devices finish the work that may still read it. That needs a device synchronisation, which must not happen while
+the calling thread captures a CUDA graph: the capture would be invalidated (and a collection of an old cache can
+run at any allocation, inside a decode step's capture included). A release that arrives during a capture is
+therefore deferred and carried out at the next safe point: the end of the capture (the cache's captures run inside
+`capturing`), the next buffer allocation, or the next explicit release.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import sys
+import threading
 import weakref
 
 import torch
@@ -22,6 +29,10 @@ logger = logging.getLogger(__name__)
 
 _HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable
 _HOST_REGISTER_MAPPED = 0x02  # cudaHostRegisterMapped
+
+_deferred: list[torch.Tensor] = []  # buffers whose release arrived during a CUDA graph capture
+_deferred_lock = threading.Lock()
+_captures = 0  # captures of this package in progress, on any thread (see `capturing`)
 
 
 class PinnedBuffer:
@@ -36,6 +47,8 @@ class PinnedBuffer:
     """
 
     def __init__(self, nbytes: int, pin: bool) -> None:
+        if pin:
+            release_deferred()
         self.data = torch.empty(nbytes, dtype=torch.uint8)
         self.pinned = False
         self._finalizer = None
@@ -53,16 +66,64 @@ class PinnedBuffer:
         return self.data[offset : offset + nbytes].view(dtype).view(shape)
 
     def release(self) -> None:
-        """Unregister now (idempotent); the memory is freed when the last view is gone."""
+        """Unregister now, or right after the CUDA graph capture in progress on this thread (idempotent); the
+        memory is freed when the last view is gone."""
         if self._finalizer is not None:
             self._finalizer()
+        release_deferred()
+
+
+def release_deferred() -> int:
+    """Unregister the buffers whose release arrived during a CUDA graph capture; returns how many. Does nothing
+    while this thread is capturing. Safe to call at any time."""
+    if not _deferred or _capturing():
+        return 0
+    with _deferred_lock:
+        pending = list(_deferred)
+        _deferred.clear()
+    for data in pending:
+        _unregister_now(data)
+    return len(pending)
+
+
+@contextlib.contextmanager
+def capturing():
+    """Mark a CUDA graph capture of this package: releases on any thread (a collection on the prefetch worker, say)
+    wait until it ends; `release_deferred` runs on exit."""
+    global _captures
+    with _deferred_lock:
+        _captures += 1
+    try:
+        yield
+    finally:
+        with _deferred_lock:
+            _captures -= 1
+        release_deferred()
+
+
+def _capturing() -> bool:
+    if _captures:
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def _unregister(data: torch.Tensor) -> None:
+    if _capturing():  # a device synchronisation now would invalidate the capture
+        with _deferred_lock:
+            _deferred.append(data)
+        logger.debug("pinned buffer release deferred until the CUDA graph capture ends")
+        return
+    _unregister_now(data)
+
+
+def _unregister_now(data: torch.Tensor) -> None:
     try:
         # A zero-copy kernel may still read or write the range: let every device finish first.
         for index in range(torch.cuda.device_count()):
             torch.cuda.synchronize(index)
         torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(data.data_ptr()))
     except Exception:  # noqa: BLE001 - at interpreter exit CUDA may already be torn down
-        logger.debug("cudaHostUnregister failed", exc_info=True)
+        if sys.is_finalizing():
+            return
+        logger.warning("cudaHostUnregister of a %d-byte host buffer failed; it stays page-locked", data.numel(),
+                       exc_info=True)
