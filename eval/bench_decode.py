@@ -41,7 +41,9 @@ PRESETS = {
     "lookahead-8b-b8-32k": dict(shape=LLAMA_8B, batch=8, context=32512, host_capacity=32768, budget=2048,
                                 selectors=["current-query", "lookahead", "static"],
                                 extra=[("lookahead", dict(prefetch=False), "selection jobs inline"),
-                                       ("lookahead", dict(prefetch_policy="stale"), "stale policy")],
+                                       ("lookahead", dict(prefetch_policy="stale"), "stale policy"),
+                                       ("lookahead", dict(fetch_programs=None), "gather on every SM (uncapped)"),
+                                       ("lookahead", dict(prefetch_launch="caller"), "graph jobs launched by the caller")],
                                 floor_context=None, offload=True, warmup=3, repeats=20),
     # Performance issue: one long sequence, where dense reads 16 GiB of KV per step and OasisKV 256 MiB.
     "b1-128k": dict(shape=LLAMA_8B, batch=1, context=130560, host_capacity=131072, budget=2048,
@@ -188,6 +190,10 @@ def main() -> None:
                         help="folder for a torch.profiler table per method. CUPTI stays attached after the first "
                              "profile and slows every later launch (graph replays ~9x), so time in a run without it")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--only", type=int, nargs="*", default=None,
+                        help="run only these OasisKV rows of the preset (0-based: its selectors, then its extras); "
+                             "the dense row always runs")
+    parser.add_argument("--no-offload", action="store_true", help="skip the HF offloading row")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     preset = PRESETS[args.preset]
@@ -208,12 +214,14 @@ def main() -> None:
         rows.append(run_method(model, f"dense DynamicCache (sdpa), {preset['floor_context']}-token context (floor)",
                                lambda: DynamicCache(config=model.config), input_ids[:, -preset["floor_context"]:],
                                preset["warmup"], preset["repeats"], None))
-    if preset["offload"]:
+    if preset["offload"] and not args.no_offload:
         logger.info("HF DynamicCache(offloading=True) ...")
         rows.append(run_method(model, "HF DynamicCache(offloading=True) (sdpa)",
                                lambda: DynamicCache(config=model.config, offloading=True), input_ids, 1, 3, None))
     model.set_attn_implementation("oasis")
     variants = [(s, {}, "") for s in preset["selectors"]] + list(preset["extra"])
+    if args.only is not None:
+        variants = [v for i, v in enumerate(variants) if i in args.only]
     for selector, overrides, note in variants:
         cfg = oasis_hf.OasisConfig(budget_tokens=preset["budget"], selector=selector,
                                    host_capacity_tokens=preset["host_capacity"], **overrides)

@@ -1,12 +1,18 @@
-"""Kernel roofline check: achieved HBM bandwidth of the sparse attention kernel against a measured device copy.
+"""Kernel roofline check: achieved HBM bandwidth of the sparse attention kernel against a measured device copy, and
+the zero-copy delta gather from pinned host memory, alone and beside a decode-like workload.
 
     python -m eval.bench_kernels --out eval/results/kernels_h200
 
 The decode-step attention reads every resident block once (K and V of ``budget`` tokens per sequence and KV head):
 its useful bytes are ``2 * B * H_kv * budget * D * elem``. The kernel is checked against its PyTorch twin first, then
 timed inside a CUDA graph (as the decode step runs it) with CUDA events; the reference bandwidth is an eager
-device-to-device copy of 4 GiB (milliseconds long, so launch cost does not count) measured in the same run. Prints
-a markdown table and writes JSON next to it.
+device-to-device copy of 4 GiB (milliseconds long, so launch cost does not count) measured in the same run.
+
+The gather table moves what a lookahead job moves at batch 8 (Llama-8B KV shape, block 32, `max_fetch_blocks` 16):
+1024 random blocks of K and V (16 MiB) from one layer's pinned host store of 32k tokens into the block pool, for each
+program cap (`OasisConfig.fetch_programs`). "alone" is the gather by itself; "beside compute" replays it on a second
+stream while the compute stream runs a decode-like graph (the 8B MLP GEMMs at batch 8 and the sparse attention),
+and reports the gather's bandwidth there and how much it slowed the compute. Prints markdown tables and writes JSON.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch
 
 from eval._common import environment, finish, markdown_table, median
 from eval.plot import plot_kernels
-from oasis_hf.kernels import sparse_attention, sparse_attention_ref
+from oasis_hf.kernels import copy_rows, sparse_attention, sparse_attention_ref
 
 logger = logging.getLogger("eval.bench_kernels")
 
@@ -89,11 +95,100 @@ def sparse_row(batch: int, kv_heads: int, q_heads: int, head_dim: int, budget: i
             "GB/s": nbytes / (ms / 1e3) / 1e9, "max abs err vs twin": err}
 
 
+def gather_rows(programs_list: list[int | None], batch: int = 8, heads: int = 8, per_head: int = 16,
+                context: int = 32768, block: int = 32, head_dim: int = 128) -> list[dict]:
+    """The delta gather for each program cap, alone and beside a decode-like compute graph (see module docstring)."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    num_blocks, row = context // block, block * head_dim
+    store_shape = (batch, heads, num_blocks, block, head_dim)
+    host_k = torch.randn(store_shape, dtype=torch.bfloat16).pin_memory()
+    host_v = torch.randn(store_shape, dtype=torch.bfloat16).pin_memory()
+    pool_shape = (batch, heads, 64, block, head_dim)
+    pool_k = torch.zeros(pool_shape, dtype=torch.bfloat16, device="cuda")
+    pool_v = torch.zeros_like(pool_k)
+    bh = torch.arange(batch * heads, device="cuda").view(batch, heads, 1)
+    blocks = torch.randint(0, num_blocks, (batch, heads, per_head), device="cuda", generator=gen)
+    slots = torch.rand(batch, heads, 64, device="cuda", generator=gen).argsort(-1)[..., :per_head]
+    src_off = ((bh * num_blocks + blocks) * row).reshape(-1)
+    dst_off = ((bh * 64 + slots) * row).reshape(-1)
+    nbytes = 2 * src_off.numel() * row * 2
+    # Decode-like compute: the MLP of one Llama-8B layer at batch 8 (memory-bound GEMMs) + the layer's attention.
+    x = torch.randn(batch, 4096, dtype=torch.bfloat16, device="cuda", generator=gen)
+    w_up = torch.randn(4096, 2 * 14336, dtype=torch.bfloat16, device="cuda", generator=gen)
+    w_down = torch.randn(14336, 4096, dtype=torch.bfloat16, device="cuda", generator=gen)
+    q = torch.randn(batch, 32, 1, head_dim, dtype=torch.bfloat16, device="cuda", generator=gen)
+    slot_block = torch.rand(batch, heads, num_blocks, device="cuda", generator=gen).argsort(-1)[..., :64]
+    kv_start = torch.zeros(batch, dtype=torch.long, device="cuda")
+    seq = torch.tensor(context, device="cuda")
+
+    def compute():
+        for _ in range(8):
+            h = x @ w_up
+            (h[:, :14336] * h[:, 14336:]) @ w_down
+            sparse_attention(q, pool_k, pool_v, slot_block, seq, kv_start, head_dim**-0.5)
+
+    def capture(fn) -> torch.cuda.CUDAGraph:
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph
+
+    def timed(graph, stream, times: int = 1):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            begin.record()
+            for _ in range(times):
+                graph.replay()
+            end.record()
+        return begin, end
+
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    compute_graph = capture(compute)
+    compute_alone = median([_elapsed(*timed(compute_graph, main)) for _ in range(20)])
+    rows = []
+    for programs in programs_list:
+        def gather(programs=programs):
+            copy_rows(host_k, src_off, pool_k, dst_off, row, programs)
+            copy_rows(host_v, src_off, pool_v, dst_off, row, programs)
+
+        gather_graph = capture(gather)
+        alone = median([_elapsed(*timed(gather_graph, main)) for _ in range(20)])
+        repeat = max(1, round(compute_alone / alone))
+        beside, slowed = [], []
+        for _ in range(20):
+            torch.cuda.synchronize()
+            go = torch.cuda.Event()
+            go.record(main)
+            side.wait_event(go)
+            g = timed(gather_graph, side, repeat)
+            c = timed(compute_graph, main)
+            torch.cuda.synchronize()
+            beside.append(_elapsed(*g) / repeat)
+            slowed.append(_elapsed(*c))
+        rows.append({"programs": "all" if programs is None else programs, "MB moved": nbytes / 1e6,
+                     "alone us": alone * 1e3, "alone GB/s": nbytes / (alone / 1e3) / 1e9,
+                     "beside compute GB/s": nbytes / (median(beside) / 1e3) / 1e9,
+                     "compute us alone": compute_alone * 1e3, "compute us beside gather": median(slowed) * 1e3,
+                     "compute slowdown": median(slowed) / compute_alone})
+        # correctness of what was timed (the last replay wrote the same rows)
+        torch.testing.assert_close(pool_k.view(-1, row)[dst_off // row].cpu(), host_k.view(-1, row)[src_off.cpu() // row])
+    return rows
+
+
+def _elapsed(begin, end) -> float:
+    end.synchronize()
+    return begin.elapsed_time(end)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--budgets", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8], help="query tokens per step (1 + drafts)")
+    parser.add_argument("--gather-programs", type=int, nargs="*", default=[0, 128, 64, 32, 16, 8, 4],
+                        help="program caps of the gather table (0 = no cap); none: skip the table")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -113,7 +208,15 @@ def main() -> None:
               f"same run; `{env['command']}`\n\n")
     columns = ["kernel", "batch", "H_q", "H_kv", "D", "budget", "T", "us", "MB read", "GB/s", "% of copy bandwidth",
                "max abs err vs twin"]
-    finish(args, header + markdown_table(rows, columns), {"env": env, "copy GB/s": hbm, "rows": rows}, plot_kernels)
+    table = header + markdown_table(rows, columns)
+    gathers = gather_rows([p or None for p in args.gather_programs]) if args.gather_programs else []
+    if gathers:
+        table += ("\n\nDelta gather from pinned host memory, 1024 blocks of K and V (batch 8 x 8 KV heads x 16), block "
+                  "32 x 128 bf16, by program cap (`OasisConfig.fetch_programs`); compute = 8 x (Llama-8B MLP at batch 8 "
+                  "+ sparse attention at budget 2048), on another stream:\n\n")
+        table += markdown_table(gathers, ["programs", "MB moved", "alone us", "alone GB/s", "beside compute GB/s",
+                                          "compute us alone", "compute us beside gather", "compute slowdown"])
+    finish(args, table, {"env": env, "copy GB/s": hbm, "rows": rows, "gather": gathers}, plot_kernels)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,12 @@ class OasisConfig:
         Cap on selector-driven block fetches per (sequence, KV head, layer) and step; the best-scoring misses go
         first and the least important resident blocks are evicted. Blocks that must be resident (sinks, recent
         window, new tokens) are never capped. ``None`` means no cap. Default 16.
+    fetch_programs : int | None
+        GPU programs (thread blocks) the gather kernel of a *background* selection job may use; each loops over its
+        share of the delta. A program reading host memory holds its SM while it waits on PCIe, so an uncapped
+        gather running beside the decode step stalls it; a few programs still saturate PCIe and leave the other SMs
+        to the step. Fetches inside the step (``current-query``) always use the whole GPU. ``None``: no cap.
+        Default 16 (measured on the H200: `eval.bench_kernels`, gather interference table).
     kernel_backend : str
         ``"auto"`` (Triton on CUDA tensors or under ``TRITON_INTERPRET=1``, PyTorch otherwise), ``"triton"`` or
         ``"torch"`` (the reference twins).
@@ -69,6 +75,13 @@ class OasisConfig:
         Run the selection jobs of asynchronous selectors (``lookahead``, ``previous-query``) on a background worker
         thread and CUDA stream. The next step of a layer waits for its job, so the output is the same with
         ``False``, which runs each job inline right after the step. Default True.
+    prefetch_launch : str
+        How a background job reaches its CUDA stream: ``"thread"`` (default) hands every job to the worker thread;
+        ``"caller"`` launches a job captured as a CUDA graph from the calling thread straight onto the prefetch
+        stream (no thread hand-off; eager jobs still go to the thread). In one run on the H200 (batch 8, 32k) the
+        decode step took 30.9 ms with ``"thread"`` and 44.7 ms with ``"caller"``: the caller's host time grew by
+        ~0.7 ms per layer, so a job-graph launch blocks the thread that issues it
+        (`eval/results/lookahead_decode_8b_b8_32k.md`).
     prefetch_policy : str
         What a step does when its layer's selection job is still running: ``"wait"`` (default: wait for it, so the
         selection never depends on timing) or ``"stale"`` (run on the blocks already resident, count a stale step,
@@ -102,6 +115,7 @@ class OasisConfig:
     selector: str = "current-query"
     summary: str = "mean"
     max_fetch_blocks: int | None = 16
+    fetch_programs: int | None = 16
     kernel_backend: str = "auto"
     host_capacity_tokens: int | None = None
     host_growth_tokens: int = 4096
@@ -109,6 +123,7 @@ class OasisConfig:
     host_memory_headroom_bytes: int = 1 << 30
     host_memory_limit_bytes: int | None = None
     prefetch: bool = True
+    prefetch_launch: str = "thread"
     prefetch_policy: str = "wait"
     measure_recall: bool = False
     dense_chunk_tokens: int = 64
@@ -148,6 +163,8 @@ class OasisConfig:
             raise bad("selector", self.selector, f"choose one of {sorted(SELECTORS)}")
         if self.summary not in SUMMARY_KINDS:
             raise bad("summary", self.summary, f"choose one of {list(SUMMARY_KINDS)}")
+        if self.prefetch_launch not in ("thread", "caller"):
+            raise bad("prefetch_launch", self.prefetch_launch, "choose 'thread' or 'caller'")
         if self.prefetch_policy not in ("wait", "stale"):
             raise bad("prefetch_policy", self.prefetch_policy, "choose 'wait' or 'stale'")
         if self.kernel_backend not in KERNEL_BACKENDS:
@@ -157,6 +174,11 @@ class OasisConfig:
             or self.max_fetch_blocks < 1
         ):
             raise bad("max_fetch_blocks", self.max_fetch_blocks, "use a positive int, or None for no cap")
+        if self.fetch_programs is not None and (
+            not isinstance(self.fetch_programs, int) or isinstance(self.fetch_programs, bool)
+            or self.fetch_programs < 1
+        ):
+            raise bad("fetch_programs", self.fetch_programs, "use a positive int, or None for no cap")
         if self.host_capacity_tokens is not None and (
             not isinstance(self.host_capacity_tokens, int) or self.host_capacity_tokens <= 0
         ):

@@ -17,6 +17,8 @@ BAD = [
     ("summary", "4bit", "choose one of"),
     ("kernel_backend", "cuda", "choose one of"),
     ("max_fetch_blocks", 0, "positive int"),
+    ("fetch_programs", 0, "positive int"),
+    ("fetch_programs", True, "positive int"),
     ("host_capacity_tokens", -1, "positive int"),
     ("host_growth_tokens", 0, "positive"),
     ("pin_host_memory", "yes", "True, False or None"),
@@ -24,6 +26,7 @@ BAD = [
     ("host_memory_limit_bytes", 0, "positive int"),
     ("dense_chunk_tokens", 0, "positive int"),
     ("prefetch_policy", "late", "'wait' or 'stale'"),
+    ("prefetch_launch", "auto", "'thread' or 'caller'"),
     ("cuda_graphs", 1, "True or False"),
 ]
 

@@ -72,21 +72,25 @@ def test_teacher_forced_graph_steps_match_eager_bf16():
 
 @pytest.mark.parametrize("selector", ["lookahead", "previous-query"])
 def test_prefetch_on_worker_stream_equals_inline(selector):
-    """Graph-captured steps plus selection jobs on the worker thread and stream: same output as inline jobs."""
+    """Graph-captured steps plus selection jobs on the worker stream, launched from the caller (graph jobs) or
+    handed to the worker thread, with a capped or uncapped gather: same output as inline jobs."""
     model = tiny_model("llama", attn="oasis", device="cuda", dtype=torch.bfloat16)
     ids, mask = left_padded([300, 260])
     ids, mask = ids.cuda(), mask.cuda()
     draft = tiny_model("llama", layers=1, device="cuda", dtype=torch.bfloat16)
     outs, stats = [], []
-    for prefetch in (False, True):
-        with oasis_cache(model, selector=selector, prefetch=prefetch, budget_tokens=128, max_fetch_blocks=2) as c:
+    variants = [dict(prefetch=False), dict(prefetch=True), dict(prefetch=True, prefetch_launch="caller"),
+                dict(prefetch=True, fetch_programs=1), dict(prefetch=True, fetch_programs=None)]
+    for fields in variants:
+        with oasis_cache(model, selector=selector, budget_tokens=128, max_fetch_blocks=2, **fields) as c:
             outs.append(generate(model, ids, mask, c))
             stats.append(c.stats.summary())
             for layer in c.oasis_layers:
                 layer.table.check()
-    assert torch.equal(outs[0], outs[1])
-    assert stats[0]["fetched_blocks"] == stats[1]["fetched_blocks"] > 0
-    assert stats[1]["graph_replays"] > 0
+    for out, stat in zip(outs[1:], stats[1:], strict=True):
+        assert torch.equal(outs[0], out)
+        assert stats[0]["fetched_blocks"] == stat["fetched_blocks"] > 0
+        assert stat["graph_replays"] > 0
     with oasis_cache(model, selector=selector, budget_tokens=128, max_fetch_blocks=2) as c:
         generate(model, ids[:1], mask[:1], c, assistant_model=draft)  # T varies: one graph per T, jobs in between
         assert c.stats.summary()["prefetch_jobs"] > 0

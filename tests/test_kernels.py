@@ -107,7 +107,8 @@ def test_sparse_attention_kernel_matches_twin(case, dtype):
 
 
 @needs_triton
-def test_copy_rows_kernel_matches_twin():
+@pytest.mark.parametrize("max_programs", [None, 1, 2])
+def test_copy_rows_kernel_matches_twin(max_programs):
     src = torch.randn(7, 3, 48)
     rows = torch.tensor([0, 5, -1, 19, 20])
     src_off = torch.where(rows >= 0, rows * 48, -1)
@@ -115,10 +116,27 @@ def test_copy_rows_kernel_matches_twin():
     dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
     dst_k = torch.full((5, 48), float("nan"), device=dev)
     dst_r = dst_k.clone()
-    copy_rows(src.to(dev), src_off.to(dev), dst_k, dst_off.to(dev), 48)
-    copy_rows_ref(src.to(dev), src_off.to(dev), dst_r, dst_off.to(dev), 48)
+    copy_rows(src.to(dev), src_off.to(dev), dst_k, dst_off.to(dev), 48, max_programs)
+    copy_rows_ref(src.to(dev), src_off.to(dev), dst_r, dst_off.to(dev), 48, max_programs)
     torch.testing.assert_close(dst_k, dst_r, equal_nan=True)
     assert torch.isnan(dst_k[1]).all() and torch.equal(dst_k[4].cpu(), src.view(-1, 48)[0])
+
+
+@needs_triton
+@pytest.mark.parametrize("row_elems", [4096, 8192 + 64])
+def test_copy_rows_persistent_programs_cover_every_row(row_elems):
+    """A capped grid loops: 2 programs move 37 rows (several tiles each, rows wider than one tile)."""
+    gen = torch.Generator().manual_seed(row_elems)
+    dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+    src = torch.randn(50, row_elems, generator=gen).to(dev)
+    rows = torch.randperm(50, generator=gen)[:37]
+    src_off = (rows * row_elems).to(dev)
+    dst_off = (torch.arange(37) * row_elems).to(dev)
+    dst = torch.zeros(37, row_elems, device=dev)
+    copy_rows(src, src_off, dst, dst_off, row_elems, 2)
+    torch.testing.assert_close(dst, src[rows.to(dev)])
+    with pytest.raises(ValueError, match="max_programs"):
+        copy_rows(src, src_off, dst, dst_off, row_elems, 0)
 
 
 @pytest.mark.gpu

@@ -55,7 +55,8 @@ class BlockStore(Protocol):
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> None: ...
     def write_at(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor) -> None: ...
     def fetch(self, layer: int, blocks: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
-              slots: torch.Tensor, valid: torch.Tensor, backend: str) -> None: ...  # fmt: skip
+              slots: torch.Tensor, valid: torch.Tensor, backend: str,
+              max_programs: int | None = None) -> None: ...  # fmt: skip
     def read_keys(self, layer: int, num_tokens: int) -> torch.Tensor: ...
     def read_range(self, layer: int, num_tokens: int, device, values: bool = True): ...
     def note_step(self, layer: int, end: int) -> None: ...
@@ -262,11 +263,14 @@ class HostKVStore:
         slots: torch.Tensor,
         valid: torch.Tensor,
         backend: str,
+        max_programs: int | None = None,
     ) -> None:
         """Copy blocks from host into pool slots: ``pool[b, h, slots[b,h,j]] = store[b, h, blocks[b,h,j]]``.
 
         `blocks`, `slots`, `valid`: (B, H_kv, N) on the pool's device; entries with ``valid == False`` are skipped.
         `pool_k`/`pool_v`: (B, H_kv, S, BS, D). One launch per segment and tensor, no host synchronisation.
+        `max_programs`: cap on the gather kernel's programs (see `copy_rows`); background jobs pass
+        `OasisConfig.fetch_programs`, a fetch inside the decode step passes None (the whole GPU).
         """
         batch, heads, _ = blocks.shape
         dev = pool_k.device
@@ -279,7 +283,7 @@ class HostKVStore:
             src_off = torch.where(inside, (bh * seg.num_blocks + local) * row, -1).reshape(-1)
             for src, dst in ((seg.keys[layer], pool_k), (seg.values[layer], pool_v)):
                 if dst.is_cuda and self.pin:
-                    copy_rows(src, src_off, dst, dst_off, row)
+                    copy_rows(src, src_off, dst, dst_off, row, max_programs)
                 elif dst.is_cuda:
                     raise RuntimeError(
                         "the host store is not pinned, so the GPU cannot read it; set OasisConfig.pin_host_memory=True"

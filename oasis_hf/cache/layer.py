@@ -25,6 +25,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from oasis_hf.cache.block_table import INF, BlockTable
+from oasis_hf.cache.pinned import capturing
 from oasis_hf.cache.summaries import BlockSummaries
 from oasis_hf.errors import DeviceMemoryError, UnsupportedError
 from oasis_hf.kernels import sparse_attention, sparse_attention_ref, use_triton
@@ -339,7 +340,8 @@ class OasisLayer(CacheLayerMixin):
             self._stage(scores)
         else:
             blocks, slots, valid = self.table.plan(scores, cfg.max_fetch_blocks)
-            self.cache.host.fetch(self.layer_idx, blocks, self.pool_k, self.pool_v, slots, valid, cfg.kernel_backend)
+            self.cache.host.fetch(self.layer_idx, blocks, self.pool_k, self.pool_v, slots, valid, cfg.kernel_backend,
+                                  self._job_programs())
             self.cache.stats.record_fetched(valid)
         self.cache.host.prefetch_hint(self.layer_idx, scores, self.table.num_slots)  # remote tier: pull ahead
 
@@ -372,7 +374,12 @@ class OasisLayer(CacheLayerMixin):
         st["scores"].copy_(scores)
         entries = self._arange(width).expand(self.batch_size, self.num_kv_heads, -1)
         self.cache.host.fetch(self.layer_idx, st["blocks"], st["k"], st["v"], entries, st["valid"],
-                              cfg.kernel_backend)
+                              cfg.kernel_backend, self._job_programs())
+
+    def _job_programs(self) -> int | None:
+        """Program cap of this layer's job gather: `fetch_programs` when the job runs beside the step (prefetch on),
+        none when it runs inline on the compute stream (nothing to share the GPU with)."""
+        return self.config.fetch_programs if self.config.prefetch else None
 
     def _stage_width(self) -> int:
         """Proposal entries kept: the fetch cap plus the blocks that are always resident (their misses are forced)."""
@@ -423,7 +430,10 @@ class OasisLayer(CacheLayerMixin):
         if prefetcher.stream is not None:  # the worker stream reads these after the caller may free them
             query.record_stream(prefetcher.stream)
             start.record_stream(prefetcher.stream)
-        self._ticket = prefetcher.submit(run)
+        if isinstance(run, _EagerJob) or self.config.prefetch_launch != "caller":
+            self._ticket = prefetcher.submit(run)
+        else:  # a graph replay: launched onto the prefetch stream from here, no thread hand-off
+            self._ticket = prefetcher.launch(run)
 
     def _job_runner(self, query, start, num_tokens: int, scale: float, graphed: bool):
         """A callable doing the job: eager, or the replay of the job captured for this ``T`` (first graphed job of
@@ -662,10 +672,13 @@ class _StepGraph:
         with torch.cuda.stream(stream):
             # thread_local: the prefetch worker may call the CUDA API (allocations) on its own stream meanwhile.
             self.graph.capture_begin(pool=layer.cache._graph_pool(device, "step"), capture_error_mode="thread_local")
-            try:
-                self.out = layer._decode_step(self.query, self.key, self.value, self.start, scale, write_back=True)
-            finally:
-                self.graph.capture_end()
+            # capturing(): a collected cache's host buffers are unregistered after the capture, not inside it
+            with capturing():
+                try:
+                    self.out = layer._decode_step(self.query, self.key, self.value, self.start, scale,
+                                                  write_back=True)
+                finally:
+                    self.graph.capture_end()
         torch.cuda.current_stream(device).wait_stream(stream)
 
     def run(self, query, key, value, start: int) -> torch.Tensor:
@@ -693,10 +706,11 @@ class _JobGraph:
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             self.graph.capture_begin(pool=layer.cache._graph_pool(device, "job"), capture_error_mode="thread_local")
-            try:
-                layer._job(query, start, num_tokens, scale)
-            finally:
-                self.graph.capture_end()
+            with capturing():
+                try:
+                    layer._job(query, start, num_tokens, scale)
+                finally:
+                    self.graph.capture_end()
         torch.cuda.current_stream(device).wait_stream(stream)
 
 

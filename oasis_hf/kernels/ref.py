@@ -100,6 +100,7 @@ def copy_rows_ref(
     dst: torch.Tensor,
     dst_offsets: torch.Tensor,
     row_elems: int,
+    max_programs: int | None = None,
 ) -> None:
     """Copy ``N`` rows of `row_elems` contiguous elements from `src` to `dst` (twin of `copy_rows`).
 
@@ -111,6 +112,8 @@ def copy_rows_ref(
         offset is negative is skipped (fixed-shape plans mark unused entries that way).
     row_elems : int
         Elements per row.
+    max_programs : int | None
+        Scheduling hint of the kernel (how many GPU programs share the rows); no effect on the result, unused here.
     """
     if src.dtype != dst.dtype:
         raise ValueError(f"copy_rows: src dtype {src.dtype} != dst dtype {dst.dtype}")

@@ -195,7 +195,8 @@ class RemoteBlockStore:
         )
 
     def fetch(self, layer: int, blocks: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
-              slots: torch.Tensor, valid: torch.Tensor, backend: str) -> None:  # fmt: skip
+              slots: torch.Tensor, valid: torch.Tensor, backend: str,
+              max_programs: int | None = None) -> None:  # fmt: skip
         """``pool[b, h, slots[b,h,j]] = block blocks[b,h,j]`` where `valid`, pulling misses from the pool.
 
         Runs in a selection job (prefetch worker): synchronises its stream to read the plan, pushes the layer's newly
@@ -218,7 +219,7 @@ class RemoteBlockStore:
             for lo in range(0, len(needed), self.hot_blocks):
                 chunk = needed[lo : lo + self.hot_blocks]
                 entry = self._load(layer, chunk)
-                self._gather(chunk, entry, blocks, pool_k, pool_v, slots, valid)
+                self._gather(chunk, entry, blocks, pool_k, pool_v, slots, valid, max_programs)
 
     def prefetch_hint(self, layer: int, scores: torch.Tensor, num_slots: int) -> None:
         """After a job's plan: queue network pulls of the best blocks ranked just below the top `num_slots` of
@@ -392,7 +393,7 @@ class RemoteBlockStore:
                 self.pulled_bytes += size * len(blocks)
                 self._cond.notify_all()
 
-    def _gather(self, chunk, entry, blocks, pool_k, pool_v, slots, valid) -> None:
+    def _gather(self, chunk, entry, blocks, pool_k, pool_v, slots, valid, max_programs=None) -> None:
         batch, heads, _ = blocks.shape
         dev = pool_k.device
         row = self.block_size * self.head_dim
@@ -406,7 +407,7 @@ class RemoteBlockStore:
         for i, dst in enumerate((pool_k, pool_v)):
             src_off = torch.where(ent >= 0, ((ent * 2 + i) * batch * heads + bh) * row, -1).reshape(-1)
             if dst.is_cuda:
-                copy_rows(self.hot, src_off, dst, dst_off, row)
+                copy_rows(self.hot, src_off, dst, dst_off, row, max_programs)
             else:
                 copy_rows_ref(self.hot, src_off, dst, dst_off, row)
         if pool_k.is_cuda:
