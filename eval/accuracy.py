@@ -54,6 +54,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-smollm2-2k")
     parser.add_argument("--samples", type=int, default=None, help="override the preset's samples per task")
+    parser.add_argument("--lengths", type=int, nargs="+", default=None, help="override the preset's context lengths")
+    parser.add_argument("--budgets", type=int, nargs="+", default=None, help="override the preset's budgets")
+    parser.add_argument("--methods", nargs="+", default=None, choices=sorted(METHODS), metavar="METHOD",
+                        help=f"override the preset's methods; any of {sorted(METHODS)}")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
@@ -64,8 +68,9 @@ def main() -> None:
     from oasis_hf.integrations.lm_eval import OasisLM
 
     preset = dict(PRESETS[args.preset])
-    if args.samples:
-        preset["samples"] = args.samples
+    for key in ("samples", "lengths", "budgets", "methods"):
+        if getattr(args, key):
+            preset[key] = getattr(args, key)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = models.load(preset["model"], device=device)
     draft = models.load(preset["draft"], device=device)[0] if preset["draft"] else None

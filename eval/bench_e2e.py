@@ -20,6 +20,7 @@ same batch, draft acceptance, whether the output equals greedy DynamicCache's, a
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import time
 from pathlib import Path
@@ -28,7 +29,7 @@ import torch
 from transformers import DynamicCache
 
 import oasis_hf
-from eval._common import environment, finish, markdown_table, synchronize
+from eval._common import environment, finish, markdown_table, synchronize, write_results
 from oasis_hf import _compat, models
 from oasis_hf.cli import passkey_prompt
 
@@ -45,9 +46,14 @@ def batch_prompts(tokenizer, context: int, batch: int, device) -> tuple[dict, li
 
 @torch.inference_mode()
 def run_row(label: str, fn, inputs, tokenizer, keys, new_tokens: int) -> dict:
+    gc.collect()  # the previous row's cache goes now, not at a random point of this one
     synchronize()
     t0 = time.perf_counter()
-    sequences, stats = fn()
+    try:
+        sequences, stats = fn()
+    except Exception as exc:  # noqa: BLE001 - recorded in the table: one failing method must not lose the others
+        logger.exception("%s failed", label)
+        return {"method": label, "batch": inputs["input_ids"].shape[0], "error": f"{type(exc).__name__}: {exc}"[:200]}
     synchronize()
     seconds = time.perf_counter() - t0
     new = sequences[:, inputs["input_ids"].shape[1] :]
@@ -91,13 +97,22 @@ def main() -> None:
         """(sequences, SpeculativeStats or None) of one row; `cache` None means DynamicCache."""
         if kind == "speculative":
             out = oasis_hf.speculative_generate(model, draft, inputs["input_ids"], inputs["attention_mask"],
-                                                cache=cache, max_new_tokens=n, num_draft_tokens=args.drafts,
+                                                cache=cache, max_new_tokens=gen["max_new_tokens"],
+                                                num_draft_tokens=args.drafts,
                                                 pad_token_id=pad)
             return out.sequences, out.stats
         extra = {"assistant_model": draft} if kind == "assisted" else {}
         cache = cache if cache is not None else DynamicCache(config=model.config)
         return model.generate(**inputs, **gen, **extra, **{_compat.cache_kwarg(model): cache}), None
 
+    # Warm-up (CUDA context, cuBLAS, Triton compilation) outside the timed rows: a short run of each path.
+    inputs, _ = batch_prompts(tokenizer, 512, 1, device)
+    gen = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=pad)
+    with torch.inference_mode():
+        generate("greedy", None)
+        for kind, selector in (("greedy", "current-query"), ("speculative", "lookahead")):
+            with oasis_hf.OasisCache(model.config, cfg(selector)) as cache:
+                generate(kind, cache)
     rows = []
     for batch in args.batches:
         inputs, keys = batch_prompts(tokenizer, args.context, batch, device)
@@ -114,21 +129,40 @@ def main() -> None:
             batch_rows.append(run_row(label, lambda: generate(kind, cache), inputs, tokenizer, keys, n))  # noqa: B023
             if cache is not None:
                 cache.close()
-        base = batch_rows[0]
-        for row in batch_rows:
+            del cache
+            report(args, model, rows + finished(batch_rows), final=False)  # a cut-short run keeps its rows
+        rows += finished(batch_rows)
+    report(args, model, rows, final=True)
+
+
+def finished(batch_rows: list[dict]) -> list[dict]:
+    """The rows of one batch size with their ratios to the first (greedy DynamicCache) row, tokens dropped."""
+    base = batch_rows[0]
+    out = []
+    for row in batch_rows:
+        row = dict(row)
+        if "error" not in row and "error" not in base:
             row["vs greedy DynamicCache"] = row["new tokens/s"] / base["new tokens/s"]
             row["same tokens as greedy DynamicCache"] = bool(torch.equal(row["tokens"], base["tokens"]))
-        for row in batch_rows:
-            row.pop("tokens")
-        rows += batch_rows
+        row.pop("tokens", None)
+        out.append(row)
+    return out
+
+
+def report(args, model, rows: list[dict], final: bool) -> None:
     env = environment()
     header = (f"Test configuration: {env.get('gpu', 'cpu')}, torch {env['torch']}, transformers {env['transformers']};"
               f" target {args.model} ({next(model.parameters()).dtype}), draft {args.draft}; pass-key prompts of about "
-              f"{args.context} tokens, {n} greedy tokens per sequence, {args.drafts} drafts per round; budget "
+              f"{args.context} tokens, {args.new_tokens} greedy tokens per sequence, {args.drafts} drafts per round; budget "
               f"{args.budget}; `{env['command']}`\n\n")
     columns = ["method", "batch", "seconds", "new tokens/s", "vs greedy DynamicCache", "draft acceptance",
                "same tokens as greedy DynamicCache", "pass keys found"]
-    finish(args, header + markdown_table(rows, columns), {"env": env, "rows": rows})
+    columns += ["error"] if any("error" in r for r in rows) else []
+    table = header + markdown_table(rows, columns)
+    if final:
+        finish(args, table, {"env": env, "rows": rows})
+    elif args.out is not None:
+        write_results(args.out, {"env": env, "config": vars(args) | {"out": str(args.out)}, "rows": rows}, table)
 
 
 if __name__ == "__main__":

@@ -83,17 +83,25 @@ def main() -> None:
                          "oracle top-S recall": sum(topk) / len(topk) if topk else "no decode step",
                          "pass key found": f"{correct}/{args.trials}",
                          "jobs narrowed": narrowed})
+            report(args, model, rows, final=False)  # a run cut short still leaves its finished rows
+    report(args, model, rows, final=True)
+
+
+def report(args, model, rows: list[dict], final: bool) -> None:
+    """Write the table and JSON (and, once finished, print them and draw the figure)."""
     env = environment()
     header = (f"Test configuration: {env.get('gpu', 'cpu')}, torch {env['torch']}, transformers {env['transformers']};"
               f" model {args.model}, {next(model.parameters()).dtype}, pass-key prompt of about {args.context} "
               f"tokens, {args.new_tokens} greedy tokens, {args.trials} trial(s); `{env['command']}`\n\n")
     table = header + markdown_table(rows, ["budget", "method", "attention mass on resident", "oracle top-S recall",
                                            "pass key found", "jobs narrowed"])
-    print(table)
+    if final:
+        print(table)
     if args.out is not None:
         payload = {"env": env, "args": vars(args) | {"out": str(args.out)}, "rows": rows}
         write_results(args.out, payload, table)
-        plot_recall(payload, args.out)
+        if final:
+            plot_recall(payload, args.out)
 
 
 def plot_recall(payload: dict, path: Path) -> Path | None:

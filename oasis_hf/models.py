@@ -162,7 +162,7 @@ def load(name_or_path: str, device: str | None = None, dtype: torch.dtype | None
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
-    kwargs = {}
+    kwargs, tokenizer = {}, None
     if name_or_path in REGISTRY:
         try:
             import gguf  # noqa: F401
@@ -171,6 +171,17 @@ def load(name_or_path: str, device: str | None = None, dtype: torch.dtype | None
                 from exc
         path = assemble(name_or_path)
         name_or_path, kwargs = str(path.parent), {"gguf_file": path.name}
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+        # Rebuilding the tokenizer from GGUF metadata takes 10-55 s; keep the converted one next to the file.
+        saved = path.parent / "tokenizer"
+        if (saved / "tokenizer_config.json").is_file():
+            tokenizer = AutoTokenizer.from_pretrained(saved)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+            try:
+                tokenizer.save_pretrained(saved)
+            except OSError as exc:  # a read-only cache still loads, only slower next time
+                logger.warning("could not cache the converted tokenizer at %s: %s", saved, exc)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs).to(device).eval()
     return model, tokenizer
