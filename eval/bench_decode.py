@@ -119,6 +119,9 @@ def run_method(model, name: str, make_cache, input_ids, warmup: int, repeats: in
         if cache.config.prefetch_policy == "stale":
             row["stale layer-steps"] = stats["stale_steps"]
         row["prefetch stall ms/step"] = stats["prefetch_stall_s"] * 1e3 / max(1, warmup + repeats)
+        if stats["prefetch_jobs"]:  # where a job's host time goes: waiting for the worker (GIL), then running
+            row["job queue wait us"] = stats["prefetch_queue_wait_s"] * 1e6 / stats["prefetch_jobs"]
+            row["job host us"] = stats["prefetch_job_host_s"] * 1e6 / stats["prefetch_jobs"]
         layers = len(cache.oasis_layers)
         block_bytes = cache.host.bytes_per_block() // batch  # K + V of one (sequence, all heads) block
         heads = cache.oasis_layers[0].num_kv_heads
@@ -243,7 +246,7 @@ def main() -> None:
     columns = ["method", "ms/step (median)", "ms/step (p90)", "tokens/s", "step vs dense", "step vs static",
                "tokens/s vs HF offloading", "host enqueue ms/step", "GPU KV MiB/seq", "GPU KV vs dense",
                "host MiB/seq", "fetched blocks/layer-step", "PCIe MB/step", "gather GB/s", "prefetch late jobs",
-               "stale layer-steps", "prefetch stall ms/step", "graph replay host us", "graph replay GPU us",
+               "stale layer-steps", "prefetch stall ms/step", "job queue wait us", "job host us", "graph replay host us", "graph replay GPU us",
                "prefill s", "prefill peak GiB"]
     columns = [c for c in columns if any(c in row for row in rows)]
     env = environment()

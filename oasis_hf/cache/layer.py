@@ -467,8 +467,11 @@ class OasisLayer(CacheLayerMixin):
         prefetcher = self.cache._prefetcher(self.device)
         late, stall = prefetcher.late, prefetcher.stall_s
         prefetcher.wait(ticket)
-        self.cache.stats.prefetch_late += prefetcher.late - late
-        self.cache.stats.prefetch_stall_s += prefetcher.stall_s - stall
+        stats = self.cache.stats
+        stats.prefetch_late += prefetcher.late - late
+        stats.prefetch_stall_s += prefetcher.stall_s - stall
+        stats.prefetch_queue_wait_s += ticket.queue_wait_s
+        stats.prefetch_job_host_s += ticket.run_s
 
     def _decode_step(self, query, key, value, start: torch.Tensor, scale: float, write_back: bool) -> torch.Tensor:
         """The device work of one decode / verification forward; `start` is a 0-d long tensor (tokens before it).

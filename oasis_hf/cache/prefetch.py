@@ -48,6 +48,9 @@ class Ticket:
     ready: torch.cuda.Event | None  # recorded on the compute stream: the job may start after it
     done: threading.Event = field(default_factory=threading.Event)
     finished: torch.cuda.Event | None = None  # recorded on the worker stream after the job's GPU work
+    submitted: float = field(default_factory=time.perf_counter)
+    queue_wait_s: float = 0.0  # host seconds from submit until the worker started it (queue + GIL hand-off)
+    run_s: float = 0.0  # host seconds the job took to run (eager work) or to enqueue (CUDA: launches, replays)
 
 
 class Prefetcher:
@@ -129,11 +132,13 @@ class Prefetcher:
         ready.record(torch.cuda.current_stream(self.device))
         ticket = Ticket(None, ready)
         self.jobs += 1
+        t0 = time.perf_counter()
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
             fn()
             ticket.finished = torch.cuda.Event()
             ticket.finished.record(self.stream)
+        ticket.run_s = time.perf_counter() - t0
         ticket.done.set()
         return ticket
 
@@ -188,6 +193,8 @@ class Prefetcher:
                 ticket = None
 
     def _execute(self, ticket: Ticket) -> None:
+        t0 = time.perf_counter()
+        ticket.queue_wait_s = t0 - ticket.submitted
         if self.stream is not None:
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 self.stream.wait_event(ticket.ready)
@@ -196,3 +203,4 @@ class Prefetcher:
                 ticket.finished.record(self.stream)
         else:
             ticket.fn()
+        ticket.run_s = time.perf_counter() - t0

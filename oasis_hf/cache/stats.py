@@ -22,6 +22,8 @@ class OasisStats:
     prefetch_jobs: int = 0  # selection jobs submitted (asynchronous selectors)
     prefetch_late: int = 0  # jobs not finished on the host when their layer's next step needed them
     prefetch_stall_s: float = 0.0  # host seconds spent waiting for late jobs
+    prefetch_queue_wait_s: float = 0.0  # host seconds jobs spent queued before the worker started them
+    prefetch_job_host_s: float = 0.0  # host seconds the worker (or caller) spent running / enqueueing jobs
     stale_steps: int = 0  # layer-steps that ran on the blocks already resident because their job was late (stale)
     narrowed_jobs: int = 0  # selection jobs that dropped rejected-draft queries before they started
     recall_steps: int = 0  # layer-steps measured (OasisConfig.measure_recall)
@@ -60,6 +62,8 @@ class OasisStats:
             "prefetch_jobs": self.prefetch_jobs,
             "prefetch_late": self.prefetch_late,
             "prefetch_stall_s": self.prefetch_stall_s,
+            "prefetch_queue_wait_s": self.prefetch_queue_wait_s,
+            "prefetch_job_host_s": self.prefetch_job_host_s,
             "narrowed_jobs": self.narrowed_jobs,
             "stale_steps": self.stale_steps,
             "initial_blocks": totals[0],
