@@ -30,6 +30,7 @@ from transformers import DynamicCache
 
 import oasis_hf
 from eval._common import environment, finish, markdown_table, synchronize, write_results
+from eval.plot import plot_e2e
 from oasis_hf import _compat, models
 from oasis_hf.cli import passkey_prompt
 
@@ -160,7 +161,7 @@ def report(args, model, rows: list[dict], final: bool) -> None:
     columns += ["error"] if any("error" in r for r in rows) else []
     table = header + markdown_table(rows, columns)
     if final:
-        finish(args, table, {"env": env, "rows": rows})
+        finish(args, table, {"env": env, "rows": rows}, plot_e2e)
     elif args.out is not None:
         write_results(args.out, {"env": env, "config": vars(args) | {"out": str(args.out)}, "rows": rows}, table)
 

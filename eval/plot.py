@@ -163,19 +163,51 @@ def plot_remote_memory(payload: dict, path: Path) -> Path | None:
     return save_figure(fig, plt, path.with_suffix(".png"))
 
 
+def plot_e2e(payload: dict, path: Path) -> Path | None:
+    """New tokens/s of each end-to-end method, grouped by batch size (rows that failed are left out)."""
+    plt = pyplot_or_none()
+    if plt is None:
+        return None
+    rows = [r for r in payload["rows"] if isinstance(r.get("new tokens/s"), (int, float))]
+    batches = sorted({r["batch"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    width = 0.8 / max(1, len(methods))
+    for i, method in enumerate(methods):
+        values = {r["batch"]: r["new tokens/s"] for r in rows if r["method"] == method}
+        xs = [j + i * width for j, b in enumerate(batches) if b in values]
+        ax.bar(xs, [values[b] for b in batches if b in values], width, label=method)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))], [f"batch {b}" for b in batches])
+    ax.set_ylabel("new tokens/s (whole batch)")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7)
+    return save_figure(fig, plt, path.with_suffix(".png"))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Redraw the figure of each results JSON given, by the kind of run it holds."""
     for name in argv if argv is not None else sys.argv[1:]:
         path = Path(name)
         payload = json.loads(path.read_text())
         rows = payload.get("rows", [])
+        first = rows[0] if rows else {}
         if "memory" in payload:
             print(plot_remote_memory(payload, path))
         elif "copy GB/s" in payload:
             print(plot_kernels(payload, path))
-        elif "preset" in payload:
+        elif "average" in first:
+            from eval.accuracy import plot_accuracy
+
+            print(plot_accuracy(payload, path))
+        elif "attention mass on resident" in first:
+            from eval.recall import plot_recall
+
+            print(plot_recall(payload, path))
+        elif "new tokens/s" in first:
+            print(plot_e2e(payload, path))
+        elif "ms/step (median)" in first and "preset" in payload:
             print(plot_decode(payload, path))
-        elif rows and "context" in rows[0]:
+        elif "context" in first:
             print(plot_throughput(payload, path))
         else:
             print(f"{path}: no figure for this kind of result")

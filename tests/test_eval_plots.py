@@ -24,9 +24,41 @@ def test_sweep_figures_from_committed_results(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["multigpu_8b_2gpu", "capacity_24g_32k", "kernels_h200", "remote_8b_32k",
-                                  "lookahead_decode_8b_b8_32k"])
+                                  "lookahead_decode_8b_b8_32k", "accuracy_cpu_smollm2_2k", "recall_smollm2_2k"])
 def test_eval_plot_redraws_each_kind_of_result(tmp_path, name, capsys):
     copy = tmp_path / f"{name}.json"
     copy.write_text((RESULTS / f"{name}.json").read_text())
     plot.main([str(copy)])
     assert copy.with_suffix(".png").stat().st_size > 10_000, capsys.readouterr().out
+
+
+def test_eval_plot_redraws_e2e_rows_and_skips_failed_ones(tmp_path):
+    rows = [{"method": "greedy, DynamicCache", "batch": 1, "new tokens/s": 40.0},
+            {"method": "speculative_generate, OasisCache lookahead @2048", "batch": 1, "new tokens/s": 55.0},
+            {"method": "greedy, DynamicCache", "batch": 8, "new tokens/s": 250.0},
+            {"method": "speculative_generate, OasisCache lookahead @2048", "batch": 8, "error": "RuntimeError: x"}]
+    path = tmp_path / "e2e.json"
+    path.write_text(json.dumps({"rows": rows}))
+    plot.main([str(path)])
+    assert path.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_accuracy_summary_and_resume_guard(tmp_path):
+    """Rows per (method, budget, length) average over the lengths measured; --resume refuses another model."""
+    from argparse import Namespace
+
+    from eval.accuracy import load_previous, summarize
+
+    rows = [{"method": "dense", "budget": "full", "length": 8192, "average": 80.0},
+            {"method": "dense", "budget": "full", "length": 16384, "average": 60.0},
+            {"method": "static (StreamingLLM)", "budget": 512, "length": 8192, "average": 20.0}]
+    summary = summarize(rows)
+    assert summary[0] == {"method": "dense", "budget": "full", "average": 70.0, "lengths": "8192 16384",
+                          "@8192": 80.0, "@16384": 60.0}
+    assert summary[1]["average"] == 20.0 and summary[1]["lengths"] == "8192"
+    out = tmp_path / "acc"
+    preset = {"model": "m", "draft": None, "samples": 50}
+    out.with_suffix(".json").write_text(json.dumps({"config": preset, "rows": rows}))
+    assert load_previous(Namespace(out=out), preset) == rows
+    with pytest.raises(SystemExit, match="samples=50"):
+        load_previous(Namespace(out=out), dict(preset, samples=10))
