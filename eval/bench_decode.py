@@ -26,6 +26,10 @@ logger = logging.getLogger("eval.bench_decode")
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0)
+#: Qwen2.5-7B's attention and MLP sizes (GQA 7:1, 28 query heads over 4 KV heads) on the Llama architecture: the
+#: decode step's bytes and FLOPs are those of Qwen2.5-7B (its q/k/v biases do not change them measurably).
+QWEN_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064, max_position_embeddings=131072, rope_theta=1000000.0)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256, max_position_embeddings=8192)
 
@@ -49,6 +53,10 @@ PRESETS = {
     "b1-128k": dict(shape=LLAMA_8B, batch=1, context=130560, host_capacity=131072, budget=2048,
                     selectors=["current-query", "static"], extra=[], floor_context=None, offload=False, warmup=3,
                     repeats=20),
+    # The performance issue's second shape: GQA 7:1 (4 KV heads, so half the 8B's KV per token), same batch/context.
+    "lookahead-qwen7b-b8-32k": dict(shape=QWEN_7B, batch=8, context=32512, host_capacity=32768, budget=2048,
+                                    selectors=["current-query", "lookahead", "static"], extra=[], floor_context=None,
+                                    offload=False, warmup=3, repeats=20),
     "smoke": dict(shape=TINY, batch=2, context=1000, host_capacity=None, budget=256,
                   selectors=["current-query", "lookahead", "static"], extra=[], floor_context=None, offload=False,
                   warmup=1, repeats=5),

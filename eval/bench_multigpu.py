@@ -30,15 +30,11 @@ from transformers import DynamicCache
 
 import oasis_hf
 from eval._common import environment, markdown_table, median, percentile, time_steps, write_results
-from eval.bench_decode import LLAMA_8B, TINY, build_model
+from eval.bench_decode import LLAMA_8B, QWEN_7B, TINY, build_model
 from eval.plot import plot_throughput
 
 logger = logging.getLogger("eval.bench_multigpu")
 
-#: Qwen2.5-7B's attention and MLP sizes (GQA 7:1, 28 query heads over 4 KV heads) on the Llama architecture: the
-#: decode step's bytes and FLOPs are those of Qwen2.5-7B (its q/k/v biases do not change them measurably).
-QWEN_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, vocab_size=152064, max_position_embeddings=131072, rope_theta=1000000.0)
 SHAPES = {"llama-8b": LLAMA_8B, "qwen-7b": QWEN_7B, "tiny": TINY}
 GIB = 2**30
 
