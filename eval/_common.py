@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import os
 import platform
 import shlex
 import statistics
@@ -24,6 +25,10 @@ def environment() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        # The host side of asynchronous work (thread hand-offs, launches) differs between machine runtimes, e.g. a
+        # gVisor sandbox (reports kernel 4.4.0) against a microVM; the kernel release and CPU count tell them apart.
+        "kernel": platform.release(),
+        "cpus": os.cpu_count(),
         "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, "-m", "eval." + Path(sys.argv[0]).stem,
                                                       *sys.argv[1:]]),
     }
