@@ -159,7 +159,8 @@ def report(args, preset: dict, model, rows: list[dict], lm_eval_version: str, fi
 
 def plot_accuracy(payload: dict, path: Path) -> Path | None:
     """Suite average against the budget, one line per method; dense as a horizontal line."""
-    return plot_vs_budget(payload.get("summary") or summarize(payload["rows"]), "average", path, "suite average (0-100)",
+    rows = payload.get("summary") or summarize(payload["rows"])
+    return plot_vs_budget(rows, "average", path, "suite average (0-100)",
                           f"{payload['config']['model']}, lengths {payload['config']['lengths']}")
 
 

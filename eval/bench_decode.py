@@ -47,7 +47,8 @@ PRESETS = {
                                 extra=[("lookahead", dict(prefetch=False), "selection jobs inline"),
                                        ("lookahead", dict(prefetch_policy="stale"), "stale policy"),
                                        ("lookahead", dict(fetch_programs=None), "gather on every SM (uncapped)"),
-                                       ("lookahead", dict(prefetch_launch="caller"), "graph jobs launched by the caller")],
+                                       ("lookahead", dict(prefetch_launch="caller"),
+                                        "graph jobs launched by the caller")],
                                 floor_context=None, offload=True, warmup=3, repeats=20),
     # Performance issue: one long sequence, where dense reads 16 GiB of KV per step and OasisKV 256 MiB.
     "b1-128k": dict(shape=LLAMA_8B, batch=1, context=130560, host_capacity=131072, budget=2048,
@@ -254,7 +255,8 @@ def main() -> None:
     columns = ["method", "ms/step (median)", "ms/step (p90)", "tokens/s", "step vs dense", "step vs static",
                "tokens/s vs HF offloading", "host enqueue ms/step", "GPU KV MiB/seq", "GPU KV vs dense",
                "host MiB/seq", "fetched blocks/layer-step", "PCIe MB/step", "gather GB/s", "prefetch late jobs",
-               "stale layer-steps", "prefetch stall ms/step", "job queue wait us", "job host us", "graph replay host us", "graph replay GPU us",
+               "stale layer-steps", "prefetch stall ms/step", "job queue wait us", "job host us",
+               "graph replay host us", "graph replay GPU us",
                "prefill s", "prefill peak GiB"]
     columns = [c for c in columns if any(c in row for row in rows)]
     env = environment()

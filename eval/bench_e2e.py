@@ -130,7 +130,7 @@ def main() -> None:
             batch_rows.append(run_row(label, lambda: generate(kind, cache), inputs, tokenizer, keys, n))  # noqa: B023
             if cache is not None:
                 cache.close()
-            del cache
+            cache = None  # collected before the next row starts timing (run_row collects)
             report(args, model, rows + finished(batch_rows), final=False)  # a cut-short run keeps its rows
         rows += finished(batch_rows)
     report(args, model, rows, final=True)
@@ -154,8 +154,8 @@ def report(args, model, rows: list[dict], final: bool) -> None:
     env = environment()
     header = (f"Test configuration: {env.get('gpu', 'cpu')}, torch {env['torch']}, transformers {env['transformers']};"
               f" target {args.model} ({next(model.parameters()).dtype}), draft {args.draft}; pass-key prompts of about "
-              f"{args.context} tokens, {args.new_tokens} greedy tokens per sequence, {args.drafts} drafts per round; budget "
-              f"{args.budget}; `{env['command']}`\n\n")
+              f"{args.context} tokens, {args.new_tokens} greedy tokens per sequence, {args.drafts} drafts per round; "
+              f"budget {args.budget}; `{env['command']}`\n\n")
     columns = ["method", "batch", "seconds", "new tokens/s", "vs greedy DynamicCache", "draft acceptance",
                "same tokens as greedy DynamicCache", "pass keys found"]
     columns += ["error"] if any("error" in r for r in rows) else []

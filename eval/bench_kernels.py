@@ -173,7 +173,8 @@ def gather_rows(programs_list: list[int | None], batch: int = 8, heads: int = 8,
                      "compute us alone": compute_alone * 1e3, "compute us beside gather": median(slowed) * 1e3,
                      "compute slowdown": median(slowed) / compute_alone})
         # correctness of what was timed (the last replay wrote the same rows)
-        torch.testing.assert_close(pool_k.view(-1, row)[dst_off // row].cpu(), host_k.view(-1, row)[src_off.cpu() // row])
+        moved = pool_k.view(-1, row)[dst_off // row].cpu()
+        torch.testing.assert_close(moved, host_k.view(-1, row)[src_off.cpu() // row])
     return rows
 
 
@@ -211,9 +212,9 @@ def main() -> None:
     table = header + markdown_table(rows, columns)
     gathers = gather_rows([p or None for p in args.gather_programs]) if args.gather_programs else []
     if gathers:
-        table += ("\n\nDelta gather from pinned host memory, 1024 blocks of K and V (batch 8 x 8 KV heads x 16), block "
-                  "32 x 128 bf16, by program cap (`OasisConfig.fetch_programs`); compute = 8 x (Llama-8B MLP at batch 8 "
-                  "+ sparse attention at budget 2048), on another stream:\n\n")
+        table += ("\n\nDelta gather from pinned host memory, 1024 blocks of K and V (batch 8 x 8 KV heads x 16), "
+                  "block 32 x 128 bf16, by program cap (`OasisConfig.fetch_programs`); compute = 8 x (Llama-8B MLP at "
+                  "batch 8 + sparse attention at budget 2048), on another stream:\n\n")
         table += markdown_table(gathers, ["programs", "MB moved", "alone us", "alone GB/s", "beside compute GB/s",
                                           "compute us alone", "compute us beside gather", "compute slowdown"])
     finish(args, table, {"env": env, "copy GB/s": hbm, "rows": rows, "gather": gathers}, plot_kernels)
