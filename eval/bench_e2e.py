@@ -11,7 +11,8 @@ sequence, `oasis_hf.cli.passkey_prompt` with a seed per sequence):
 - ``greedy, OasisCache current-query``: the same with OasisKV;
 - ``HF assisted, DynamicCache`` (batch 1 only: transformers refuses larger batches);
 - ``speculative_generate, DynamicCache`` and ``speculative_generate, OasisCache lookahead``: our loop
-  (`oasis_hf.speculative_generate`), whose greedy output equals the target's greedy output.
+  (`oasis_hf.speculative_generate`), whose greedy output equals the target's greedy output; its draft steps are
+  CUDA graph replays (`oasis_hf.draft.GraphedDraft`), and one more row runs them eagerly to show what that buys.
 
 Reported per row: seconds (prefill included), new tokens/s over the batch, the ratio to greedy DynamicCache at the
 same batch, draft acceptance, whether the output equals greedy DynamicCache's, and how many pass keys came out.
@@ -96,11 +97,11 @@ def main() -> None:
 
     def generate(kind: str, cache):
         """(sequences, SpeculativeStats or None) of one row; `cache` None means DynamicCache."""
-        if kind == "speculative":
+        if kind.startswith("speculative"):
             out = oasis_hf.speculative_generate(model, draft, inputs["input_ids"], inputs["attention_mask"],
                                                 cache=cache, max_new_tokens=gen["max_new_tokens"],
-                                                num_draft_tokens=args.drafts,
-                                                pad_token_id=pad)
+                                                num_draft_tokens=args.drafts, pad_token_id=pad,
+                                                draft_cuda_graphs=kind != "speculative-eager-draft")
             return out.sequences, out.stats
         extra = {"assistant_model": draft} if kind == "assisted" else {}
         cache = cache if cache is not None else DynamicCache(config=model.config)
@@ -123,7 +124,9 @@ def main() -> None:
         if batch == 1:
             variants.append(("HF assisted (draft), DynamicCache", "assisted", None))
         variants += [("speculative_generate, DynamicCache", "speculative", None),
-                     (f"speculative_generate, OasisCache lookahead @{args.budget}", "speculative", "lookahead")]
+                     (f"speculative_generate, OasisCache lookahead @{args.budget}", "speculative", "lookahead"),
+                     (f"speculative_generate, OasisCache lookahead @{args.budget}, draft eager (no CUDA graph)",
+                      "speculative-eager-draft", "lookahead")]
         batch_rows = []
         for label, kind, selector in variants:
             cache = oasis_hf.OasisCache(model.config, cfg(selector)) if selector else None

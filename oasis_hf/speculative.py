@@ -26,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from oasis_hf import _compat
+from oasis_hf.draft import make_draft
 from oasis_hf.errors import UnsupportedError
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ def speculative_generate(
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     generator: torch.Generator | None = None,
+    draft_cuda_graphs: bool = True,
 ) -> SpeculativeOutput:
     """Generate with a draft model for any batch size; greedy output equals the target's own greedy output.
 
@@ -94,6 +96,9 @@ def speculative_generate(
     do_sample, temperature : greedy, or speculative sampling at this temperature.
     eos_token_id, pad_token_id : a sequence stops at EOS; later positions hold `pad_token_id`.
     generator : random generator for sampling (on the model's device).
+    draft_cuda_graphs : on CUDA, run each draft token as one CUDA graph replay over fixed-size draft K/V
+        (`oasis_hf.draft.GraphedDraft`; needs a full-attention SDPA draft and no `draft_cache`): a small draft's
+        eager forward costs about as much as the target's, which would cancel the gain of drafting.
 
     Returns
     -------
@@ -112,8 +117,9 @@ def speculative_generate(
     batch = input_ids.shape[0]
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
     cache = cache if cache is not None else DynamicCache(config=model.config)
-    draft_cache = draft_cache if draft_cache is not None else DynamicCache(config=draft_model.config)
-    kw_target, kw_draft = _compat.cache_kwarg(model), _compat.cache_kwarg(draft_model)
+    max_len = input_ids.shape[1] + max_new_tokens + num_draft_tokens + 1
+    drafter = make_draft(draft_model, batch, max_len, device, draft_cuda_graphs, draft_cache)
+    kw_target = _compat.cache_kwarg(model)
     eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=device).long().flatten()
     pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
     stats = SpeculativeStats(accepted_per_sequence=[0] * batch)
@@ -127,7 +133,7 @@ def speculative_generate(
     # Prefill both models on the prompt; the target's last logits give the first new token.
     logits = _forward(model, input_ids, mask, cache, kw_target)[:, -1, :vocab]
     if input_ids.shape[1] > 1:
-        _forward(draft_model, input_ids[:, :-1], mask[:, :-1], draft_cache, kw_draft)
+        drafter.prefill(input_ids[:, :-1], mask[:, :-1])
     last = choose(_probs(logits, temperature) if do_sample else logits)  # (B,) first new token, not in any cache
     seq = torch.cat([input_ids, last[:, None]], dim=1)
     mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
@@ -137,11 +143,11 @@ def speculative_generate(
     while produced < max_new_tokens and not bool(finished.all()):
         k = min(num_draft_tokens, max_new_tokens - produced)
         # Draft k tokens: first feed what the draft cache lacks (the tokens after its length).
-        pending = seq[:, draft_cache.get_seq_length() :]
+        pending = seq[:, drafter.length :]
         drafts, draft_probs = [], []
         step_ids, step_mask = pending, mask[:, : seq.shape[1]]
         for _ in range(k):
-            d_logits = _forward(draft_model, step_ids, step_mask, draft_cache, kw_draft)[:, -1, :vocab]
+            d_logits = drafter.feed(step_ids, step_mask)[:, :vocab]
             q = _probs(d_logits, temperature) if do_sample else d_logits
             token = choose(q)
             drafts.append(token)
@@ -186,7 +192,7 @@ def speculative_generate(
         # Keep [last, d_1 .. d_n] in the target cache; the draft cache keeps at most as much.
         keep = seq.shape[1] + n
         _compat.crop_to(cache, keep)
-        _compat.crop_to(draft_cache, keep)
+        drafter.rewind(keep)
         seq = torch.cat([seq, new], dim=1)
         mask = torch.cat([mask, mask.new_ones(batch, n + 1)], dim=1)
         last = new[:, -1]

@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from oasis_hf.speculative import speculative_generate
-from tests._factories import oasis_cache, tiny_model
+from tests._factories import VOCAB, oasis_cache, tiny_model
 from tests.test_generate import left_padded
 
 NEW = 30
@@ -113,3 +113,89 @@ def test_bad_arguments_are_refused(target):
         speculative_generate(target, target, ids, mask, num_draft_tokens=0)
     with pytest.raises(ValueError, match="temperature"):
         speculative_generate(target, target, ids, mask, do_sample=True, temperature=0.0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fixed_size_draft_equals_dynamic_cache_draft(family):
+    """`GraphedDraft`'s fixed K/V, device-side position, 4-D mask and rewinds give the logits of a plain
+    DynamicCache draft (run eagerly here; on CUDA the same step is a graph replay)."""
+    from oasis_hf.draft import EagerDraft, GraphedDraft
+
+    draft = tiny_model(family, layers=2)
+    assert GraphedDraft.unsupported(draft) is None
+    ids, mask = left_padded([50, 37, 44], seed=4)
+    fixed, eager = GraphedDraft(draft, 3, 50 + 20, "cpu"), EagerDraft(draft)
+    with torch.inference_mode():
+        for runner in (fixed, eager):
+            runner.prefill(ids, mask)
+        gen = torch.Generator().manual_seed(0)
+        for rewind in (0, 2, 0, 1):
+            tokens = torch.randint(0, VOCAB, (3, 2), generator=gen)
+            mask = torch.cat([mask, mask.new_ones(3, 2)], dim=1)
+            a, b = fixed.feed(tokens, mask), eager.feed(tokens, mask)
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+            fixed.rewind(fixed.length - rewind)
+            eager.rewind(eager.length - rewind)
+            mask = mask[:, : mask.shape[1] - rewind]
+            assert fixed.length == eager.length == mask.shape[1]
+
+
+def test_speculative_with_fixed_size_draft_equals_target_greedy(target, monkeypatch):
+    """The whole loop with the fixed-size draft (as CUDA would run it) still equals the target's greedy output."""
+    import oasis_hf.speculative as spec
+    from oasis_hf.draft import GraphedDraft
+
+    made = []
+
+    def fixed_draft(model, batch, max_len, device, cuda_graphs, cache=None):
+        made.append(GraphedDraft(model, batch, max_len, device))
+        return made[-1]
+
+    monkeypatch.setattr(spec, "make_draft", fixed_draft)
+    ids, mask = left_padded([120, 77, 101, 90], seed=4)
+    ref = greedy_reference(tiny_model("llama", layers=2), ids, mask)
+    out = speculative_generate(target, tiny_model("llama", layers=2), ids, mask, cache=oasis_cache(target),
+                               max_new_tokens=NEW, num_draft_tokens=4)
+    assert made and torch.equal(out.sequences, ref)
+    assert out.stats.acceptance == 1.0  # the target as its own draft: the fixed-size draft is exact too
+
+
+def test_draft_with_sliding_layers_is_not_graphed():
+    from oasis_hf.draft import EagerDraft, GraphedDraft, make_draft
+
+    draft = tiny_model("gemma3", layers=2)
+    assert "sliding" in GraphedDraft.unsupported(draft)
+    assert isinstance(make_draft(draft, 1, 64, "cpu", cuda_graphs=True), EagerDraft)
+
+
+@pytest.mark.gpu
+def test_graphed_draft_on_cuda_replays_and_stays_exact():
+    """On CUDA the draft's one-token steps are graph replays (captured at the second step) with the logits of the
+    eager DynamicCache draft, and the loop's greedy output still equals the target's."""
+    from oasis_hf.draft import EagerDraft, GraphedDraft, make_draft
+
+    draft = tiny_model("qwen2", layers=2, device="cuda")
+    ids, mask = left_padded([50, 37, 44], seed=4)
+    ids, mask = ids.cuda(), mask.cuda()
+    fixed = make_draft(draft, 3, 50 + 40, "cuda", cuda_graphs=True)
+    eager = EagerDraft(draft)
+    assert isinstance(fixed, GraphedDraft)
+    with torch.inference_mode():
+        fixed.prefill(ids, mask)
+        eager.prefill(ids, mask)
+        gen = torch.Generator().manual_seed(0)
+        for rewind in (0, 2, 0, 1, 0):
+            tokens = torch.randint(0, VOCAB, (3, 2), generator=gen).cuda()
+            mask = torch.cat([mask, mask.new_ones(3, 2)], dim=1)
+            torch.testing.assert_close(fixed.feed(tokens, mask), eager.feed(tokens, mask), atol=1e-4, rtol=1e-4)
+            fixed.rewind(fixed.length - rewind)
+            eager.rewind(eager.length - rewind)
+            mask = mask[:, : mask.shape[1] - rewind]
+    assert fixed.graph is not None
+    target = tiny_model("llama", layers=2, attn="oasis", device="cuda")
+    ids, mask = left_padded([120, 77], seed=4)
+    ids, mask = ids.cuda(), mask.cuda()
+    ref = greedy_reference(tiny_model("llama", layers=2, device="cuda"), ids, mask)
+    out = speculative_generate(target, tiny_model("qwen2", layers=1, device="cuda"), ids, mask,
+                               cache=oasis_cache(target), max_new_tokens=NEW, num_draft_tokens=4)
+    assert torch.equal(out.sequences, ref)
