@@ -154,10 +154,15 @@ def test_prefetcher_lifecycle_alone():
         ticket = worker.submit(lambda: box.append(1))
         worker.wait(ticket)
         assert box == [1] and worker.alive
+        assert ticket.queue_wait_s >= 0 and ticket.run_s >= 0  # host timings of the job (stats sum them)
+        with pytest.raises(PrefetchError, match="needs a CUDA device"):
+            worker.launch(lambda: None)  # launching on the caller's thread is a CUDA-stream path only
     assert not worker.alive
     worker.close()
     with pytest.raises(PrefetchError, match="closed"):
         worker.submit(lambda: None)
+    with pytest.raises(PrefetchError, match="closed"):
+        worker.launch(lambda: None)
 
 
 def test_forgotten_cache_does_not_hang_interpreter_exit():
