@@ -213,3 +213,23 @@ def test_score_blocks_gpu_large():
     """Llama-8B decode shape: batch 8, 32 query heads over 8 KV heads, 32k tokens in blocks of 32."""
     args = make_score_inputs((8, 32, 8, 1, 128, 1030), torch.bfloat16, "cuda")
     torch.testing.assert_close(score_blocks(*args), score_blocks_ref(*args), atol=2e-2, rtol=1e-3)
+
+
+def test_package_works_without_triton():
+    """A CPU-only install (``pip install oasis_hf`` with CPU torch, which does not pull Triton) imports and decodes
+    on the PyTorch twins. Triton is hidden from a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # `import triton` now raises ImportError
+        "import oasis_hf\n"
+        "from oasis_hf.kernels import TRITON_AVAILABLE; assert not TRITON_AVAILABLE\n"
+        "from tests._factories import oasis_cache, tiny_model\n"
+        "from tests.test_generate import generate, left_padded\n"
+        "m = tiny_model('llama', attn='oasis'); ids, mask = left_padded([120])\n"
+        "with oasis_cache(m, selector='lookahead', budget_tokens=128, max_fetch_blocks=2) as cache:\n"
+        "    generate(m, ids, mask, cache)\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=env)

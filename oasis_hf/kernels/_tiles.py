@@ -5,8 +5,9 @@ from __future__ import annotations
 try:
     import triton
     import triton.language as tl
-except ImportError:  # pragma: no cover
+except ImportError:  # pragma: no cover - CPU-only installs run the PyTorch twins
     triton = None
+    load_query_tile = None  # importable without Triton; only the Triton kernels use it
 
 
 if triton is not None:
