@@ -32,16 +32,17 @@ from oasis_hf.tasks import TASKS, write_suite
 
 logger = logging.getLogger("eval.accuracy")
 
-# method label -> OasisLM keyword arguments (budget added per row; dense ignores it)
+# method label -> OasisLM keyword arguments (budget added per row; dense ignores it). ``batch_size=1``: the method
+# generates one request at a time (transformers' prompt lookup, kvpress presses); the others take the preset's.
 METHODS = {
     "dense": dict(dense=True),
     "static (StreamingLLM)": dict(selector="static"),
     "current-query": dict(selector="current-query"),
     "previous-query": dict(selector="previous-query"),
-    "lookahead (prompt lookup 3)": dict(selector="lookahead", prompt_lookup=3),
+    "lookahead (prompt lookup 3)": dict(selector="lookahead", prompt_lookup=3, batch_size=1),
     "lookahead (draft model)": dict(selector="lookahead", draft=True),
-    "kvpress SnapKV": dict(press="SnapKVPress"),
-    "kvpress expected attention": dict(press="ExpectedAttentionPress"),
+    "kvpress SnapKV": dict(press="SnapKVPress", batch_size=1),
+    "kvpress expected attention": dict(press="ExpectedAttentionPress", batch_size=1),
 }
 
 PRESETS = {
@@ -50,7 +51,7 @@ PRESETS = {
                                     "lookahead (prompt lookup 3)"], batch_size=1),
     "gpu-qwen-1.5b": dict(model="qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct",
                           lengths=[8192, 16384, 30000], samples=50, budgets=[512, 1024, 2048], methods=list(METHODS),
-                          batch_size=1),
+                          batch_size=8),
 }
 
 
@@ -91,12 +92,13 @@ def main() -> None:
                 fields = dict(METHODS[method])
                 if fields.pop("draft", False):
                     fields["draft_model"] = draft
+                batch_size = fields.pop("batch_size", preset["batch_size"])
                 for budget in ([None] if fields.get("dense") else preset["budgets"]):
                     if (method, budget or "full", length) in done:
                         logger.info("%s @%s, %d tokens: in %s already", method, budget, length, args.out)
                         continue
                     lm = OasisLM(pretrained=model, tokenizer=tokenizer, budget=budget or 2048, device=device,
-                                 batch_size=preset["batch_size"], **fields)
+                                 batch_size=batch_size, **fields)
                     out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager)
                     scores = {name.removeprefix("oasis_ruler_").removesuffix(f"_{length}"): value["score,none"]
                               for name, value in out["results"].items() if name in tasks}
