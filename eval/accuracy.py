@@ -7,7 +7,8 @@ Generates the suite (`oasis_hf.tasks`) for the preset's model tokenizer, loads t
 the same prompts under the same harness. Writes, after every such row, a markdown table (the suite average per
 method and budget over the lengths measured, then every row per task, 0-100) and JSON; at the end a PNG (average
 against the budget per method). ``--resume`` keeps the rows already written at ``--out`` and runs the others, so a
-preset larger than one GPU session (``gpu-qwen-1.5b``: 22 method-budget pairs x 3 lengths x 9 tasks x 50 samples)
+preset larger than one GPU session (``gpu-qwen-1.5b``: 22 method-budget pairs x 3 lengths x 9 tasks x 50 samples,
+about 30,000 requests)
 is completed over several sessions, and ``--lengths/--budgets/--methods`` pick a part of it.
 
 kvpress presses (SnapKV, expected attention) run through kvpress's own API at the same KV size (``budget`` prompt
