@@ -8,8 +8,7 @@ the same prompts under the same harness. Writes, after every such row, a markdow
 method and budget over the lengths measured, then every row per task, 0-100) and JSON; at the end a PNG (average
 against the budget per method). ``--resume`` keeps the rows already written at ``--out`` and runs the others, so a
 preset larger than one GPU session (``gpu-qwen-1.5b``: 22 method-budget pairs x 3 lengths x 9 tasks x 50 samples,
-about 30,000 requests)
-is completed over several sessions, and ``--lengths/--budgets/--methods`` pick a part of it.
+about 30,000 requests) is completed over several sessions, and ``--lengths/--budgets/--methods`` pick a part of it.
 
 kvpress presses (SnapKV, expected attention) run through kvpress's own API at the same KV size (``budget`` prompt
 tokens per layer and head); kvpress 0.5.5 needs a transformers that passes ``past_key_values`` to attention modules
