@@ -24,6 +24,7 @@ in a job is kept and re-raised in the caller, as `PrefetchError`, at the next `w
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -167,6 +168,18 @@ class Prefetcher:
             ) from self._error
 
     def _run(self) -> None:
+        # Set once for the thread (grad mode, current device and stream are thread-local), not per job: the worker
+        # holds the GIL for less time per job, which is time the caller's thread gets back. Inference mode: jobs
+        # update the cache's tensors in place, which may be inference tensors (made under the caller's
+        # inference_mode), and inference mode accepts both kinds.
+        with contextlib.ExitStack() as scope:
+            scope.enter_context(torch.inference_mode())
+            if self.stream is not None:
+                scope.enter_context(torch.cuda.device(self.device))
+                scope.enter_context(torch.cuda.stream(self.stream))
+            self._loop()
+
+    def _loop(self) -> None:
         while True:
             try:
                 ticket = self._queue.get(timeout=0.2)
@@ -180,10 +193,7 @@ class Prefetcher:
                 ticket.done.set()
                 continue
             try:
-                # Grad modes are thread-local: jobs update the cache's tensors in place, which may be inference
-                # tensors (made under the caller's inference_mode); inference mode accepts both kinds.
-                with torch.inference_mode():
-                    self._execute(ticket)
+                self._execute(ticket)
             except BaseException as exc:  # noqa: BLE001 - kept and re-raised in the caller
                 logger.error("prefetch job failed: %r", exc)
                 self._error = exc
@@ -195,12 +205,11 @@ class Prefetcher:
     def _execute(self, ticket: Ticket) -> None:
         t0 = time.perf_counter()
         ticket.queue_wait_s = t0 - ticket.submitted
-        if self.stream is not None:
-            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-                self.stream.wait_event(ticket.ready)
-                ticket.fn()
-                ticket.finished = torch.cuda.Event()
-                ticket.finished.record(self.stream)
+        if self.stream is not None:  # the thread's current device and stream are the worker's (see `_run`)
+            self.stream.wait_event(ticket.ready)
+            ticket.fn()
+            ticket.finished = torch.cuda.Event()
+            ticket.finished.record(self.stream)
         else:
             ticket.fn()
         ticket.run_s = time.perf_counter() - t0
