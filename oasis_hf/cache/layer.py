@@ -654,6 +654,25 @@ def _kv_start(attention_mask, batch: int, length: int, device) -> torch.Tensor:
     return first.long()
 
 
+def _capture(layer: OasisLayer, kind: str, stream: torch.cuda.Stream, fn):
+    """Capture `fn()` on `stream` into a new CUDA graph in the cache's `kind` pool; returns (graph, fn's result).
+
+    ``thread_local``: the prefetch worker may call the CUDA API (allocations) on its own stream meanwhile;
+    `capturing`: a collected cache's host buffers are unregistered after the capture, not inside it."""
+    device = layer.device
+    graph = torch.cuda.CUDAGraph()
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=layer.cache._graph_pool(device, kind), capture_error_mode="thread_local")
+        with capturing():
+            try:
+                result = fn()
+            finally:
+                graph.capture_end()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return graph, result
+
+
 class _StepGraph:
     """`OasisLayer._decode_step` for one ``T``, captured in a CUDA graph with static inputs.
 
@@ -670,19 +689,10 @@ class _StepGraph:
         self.key = torch.empty_like(key, memory_format=torch.contiguous_format)
         self.value = torch.empty_like(value, memory_format=torch.contiguous_format)
         self.start = torch.zeros((), dtype=torch.long, device=device)
-        self.graph = torch.cuda.CUDAGraph()
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            # thread_local: the prefetch worker may call the CUDA API (allocations) on its own stream meanwhile.
-            self.graph.capture_begin(pool=layer.cache._graph_pool(device, "step"), capture_error_mode="thread_local")
-            # capturing(): a collected cache's host buffers are unregistered after the capture, not inside it
-            with capturing():
-                try:
-                    self.out = layer._decode_step(self.query, self.key, self.value, self.start, scale,
-                                                  write_back=True)
-                finally:
-                    self.graph.capture_end()
-        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph, self.out = _capture(
+            layer, "step", stream,
+            lambda: layer._decode_step(self.query, self.key, self.value, self.start, scale, write_back=True),
+        )  # fmt: skip
 
     def run(self, query, key, value, start: int) -> torch.Tensor:
         """Replay on the current stream: (B, H_q, T, D) query -> (B, T, H_q, D), a fresh tensor."""
@@ -704,17 +714,8 @@ class _JobGraph:
     def __init__(self, layer: OasisLayer, query, start, num_tokens: int, scale: float) -> None:
         device = self.device = layer.device
         self.scale = scale
-        stream = layer.cache._capture_stream(device)
-        self.graph = torch.cuda.CUDAGraph()
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            self.graph.capture_begin(pool=layer.cache._graph_pool(device, "job"), capture_error_mode="thread_local")
-            with capturing():
-                try:
-                    layer._job(query, start, num_tokens, scale)
-                finally:
-                    self.graph.capture_end()
-        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph, _ = _capture(layer, "job", layer.cache._capture_stream(device),
+                                 lambda: layer._job(query, start, num_tokens, scale))
 
 
 class _EagerJob:
