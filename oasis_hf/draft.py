@@ -157,6 +157,8 @@ class GraphedDraft:
         if self.length:
             raise RuntimeError("GraphedDraft.prefill on a non-empty draft cache")
         num = ids.shape[1]
+        if num >= self.cache.max_len:
+            raise RuntimeError(f"GraphedDraft: a {num}-token prompt does not fit max_len={self.cache.max_len}")
         self.real_ok[:, :num] = mask.bool()
         full = torch.ones_like(self.real_ok, dtype=mask.dtype)
         full[:, :num] = mask
@@ -194,6 +196,11 @@ class GraphedDraft:
         return out.logits[:, -1].float()
 
     def _step(self) -> torch.Tensor:
+        if self.length >= self.cache.max_len:
+            raise RuntimeError(
+                f"GraphedDraft holds {self.cache.max_len} tokens per sequence and is full; create it with a larger "
+                "max_len (prompt + new tokens + drafts + 1)"
+            )
         self._steps += 1
         if not self.token.is_cuda or self._steps == 1:  # first step eager: workspaces and kernels exist before capture
             logits = self._forward_one()

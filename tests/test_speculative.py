@@ -138,6 +138,9 @@ def test_fixed_size_draft_equals_dynamic_cache_draft(family):
             eager.rewind(eager.length - rewind)
             mask = mask[:, : mask.shape[1] - rewind]
             assert fixed.length == eager.length == mask.shape[1]
+        fixed.feed(torch.zeros(3, 70 - fixed.length, dtype=torch.long), None)  # fill it to max_len ...
+        with pytest.raises(RuntimeError, match="is full"):
+            fixed.feed(torch.zeros(3, 1, dtype=torch.long), None)  # ... then one more token is refused, clearly
 
 
 def test_speculative_with_fixed_size_draft_equals_target_greedy(target, monkeypatch):
