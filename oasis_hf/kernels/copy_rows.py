@@ -99,7 +99,7 @@ def copy_rows(
                 "pin_memory=True (OasisConfig.pin_host_memory)"
             )
     block = min(triton.next_power_of_2(row_elems), _TILE_ELEMS)
-    rows = min(max(1, _TILE_ELEMS // block), triton.next_power_of_2(num_rows))
+    rows = max(2, min(_TILE_ELEMS // block, triton.next_power_of_2(num_rows)))  # >= 2: no size-1 aranges
     programs = triton.cdiv(num_rows, rows)
     if max_programs is not None:
         programs = min(programs, max_programs)
