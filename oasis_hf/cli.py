@@ -184,7 +184,8 @@ def _checkout_script(module: str, rest: list[str]) -> int:
 
 #: `oasis-hf bench NAME ...` / `oasis-hf eval NAME ...` -> eval/<script>.py; without a NAME the first one runs.
 BENCH_SCRIPTS = {"decode": "bench_decode", "multigpu": "bench_multigpu", "capacity": "bench_capacity",
-                 "sweep": "bench_sweep", "kernels": "bench_kernels", "remote": "bench_remote", "e2e": "bench_e2e"}
+                 "sweep": "bench_sweep", "kernels": "bench_kernels", "remote": "bench_remote", "e2e": "bench_e2e",
+                 "handoff": "bench_handoff"}
 EVAL_SCRIPTS = {"recall": "recall", "accuracy": "accuracy"}
 
 

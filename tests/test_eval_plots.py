@@ -62,3 +62,18 @@ def test_accuracy_summary_and_resume_guard(tmp_path):
     assert load_previous(Namespace(out=out), preset) == rows
     with pytest.raises(SystemExit, match="samples=50"):
         load_previous(Namespace(out=out), dict(preset, samples=10))
+
+
+def test_handoff_bench_writes_its_three_rows(tmp_path, monkeypatch):
+    """Plumbing only (no timing asserted): the three hand-off modes run and are written."""
+    import sys
+
+    from eval import bench_handoff
+
+    out = tmp_path / "handoff"
+    monkeypatch.setattr(sys, "argv", ["bench_handoff", "--layers", "3", "--layer-us", "20", "--job-us", "10",
+                                      "--steps", "2", "--out", str(out)])
+    bench_handoff.main()
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [r["jobs"] for r in rows] == ["none", "inline", "thread"]
+    assert all(r["ms/step (median)"] > 0 for r in rows)
