@@ -26,7 +26,7 @@ from oasis_hf.cache.pinned import capturing
 logger = logging.getLogger(__name__)
 
 
-def _positions(mask: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def positions(mask: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """(B, T) positions of the last `num_tokens` tokens under the 2-D padding `mask` (B, L)."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -num_tokens:]
 
@@ -49,7 +49,7 @@ class EagerDraft:
 
     def feed(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Append `ids` (B, T); `mask` (B, length + T): the padding mask up to them. Returns last logits (B, V)."""
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask, ids.shape[1]),
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions(mask, ids.shape[1]),
                          use_cache=True, **{self.kwarg: self.cache})
         return out.logits[:, -1].float()
 
@@ -162,7 +162,7 @@ class GraphedDraft:
         self.real_ok[:, :num] = mask.bool()
         full = torch.ones_like(self.real_ok, dtype=mask.dtype)
         full[:, :num] = mask
-        self.model(input_ids=ids, attention_mask=full, position_ids=_positions(mask, num), use_cache=True,
+        self.model(input_ids=ids, attention_mask=full, position_ids=positions(mask, num), use_cache=True,
                    **{self.kwarg: self.cache})
         self._advance(num, mask.long().sum(-1))
 

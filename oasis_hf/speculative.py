@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from oasis_hf import _compat
-from oasis_hf.draft import make_draft
+from oasis_hf.draft import make_draft, positions
 from oasis_hf.errors import UnsupportedError
 
 logger = logging.getLogger(__name__)
@@ -57,8 +57,8 @@ class SpeculativeOutput:
 
 def _forward(model, ids, mask, cache, kwarg: str) -> torch.Tensor:
     """Logits (B, T, V) of `ids` (B, T) appended to `cache`; positions from the 2-D `mask` (B, L) as in generate."""
-    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{kwarg: cache})
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask, ids.shape[1]), use_cache=True,
+                **{kwarg: cache})
     return out.logits.float()
 
 

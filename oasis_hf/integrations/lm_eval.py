@@ -92,7 +92,6 @@ class OasisLM(HFLM):
             generation_kwargs[_compat.cache_kwarg(self.model)] = cache
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
-
     def _speculative(self, context: torch.Tensor, max_length: int, generation_kwargs: dict) -> torch.Tensor:
         """Draft-and-verify on OasisKV for a whole request batch (transformers' assisted generation is batch 1
         only). Stop strings are not checked during generation: lm-eval cuts the text at them afterwards."""
