@@ -25,6 +25,7 @@ import torch
 
 from eval._common import environment, finish, markdown_table, median
 from eval.plot import plot_kernels
+from oasis_hf.cache.block_table import BlockTable
 from oasis_hf.kernels import copy_rows, sparse_attention, sparse_attention_ref
 
 logger = logging.getLogger("eval.bench_kernels")
@@ -178,6 +179,32 @@ def gather_rows(programs_list: list[int | None], batch: int = 8, heads: int = 8,
     return rows
 
 
+def plan_rows(shapes: list[tuple[int, int, int, int]]) -> list[dict]:
+    """The selection plan of one layer-step (`BlockTable.plan`), the one-launch Triton kernel against the PyTorch
+    twin (~57 small kernels), both replayed in a CUDA graph as the step and the selection job run them. Each shape is
+    (B, H_kv, NB, S); the plan is checked equal first."""
+    rows = []
+    for batch, heads, num_blocks, num_slots in shapes:
+        gen = torch.Generator(device="cuda").manual_seed(num_blocks)
+        scores = torch.rand(batch, heads, num_blocks, device="cuda", generator=gen)
+        scores[..., :2] = float("inf")  # sinks and the recent window
+        scores[..., -4:] = float("inf")
+        tables = {b: BlockTable(batch, heads, num_slots, num_blocks, "cuda") for b in ("triton", "torch")}
+        plans = {b: t.plan(scores, 16, "auto" if b == "triton" else "torch") for b, t in tables.items()}
+        same = all(torch.equal(x, y) for x, y in zip(plans["triton"], plans["torch"], strict=True))
+        row = {"B": batch, "H_kv": heads, "NB": num_blocks, "S": num_slots, "plans equal": same}
+        for backend, table in tables.items():
+            fresh = torch.rand(batch, heads, num_blocks, device="cuda", generator=gen)  # a new selection each step
+            scores.copy_(torch.where(scores == float("inf"), scores, fresh))
+            label = "kernel us" if backend == "triton" else "twin us"
+            kind = "auto" if backend == "triton" else "torch"
+            row[label] = 1e3 * time_cuda(lambda t=table, s=scores, k=kind: t.plan(s, 16, k))
+        row["speed-up"] = row["twin us"] / row["kernel us"]
+        rows.append(row)
+        logger.info("plan %s", row)
+    return rows
+
+
 def _elapsed(begin, end) -> float:
     end.synchronize()
     return begin.elapsed_time(end)
@@ -190,6 +217,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8], help="query tokens per step (1 + drafts)")
     parser.add_argument("--gather-programs", type=int, nargs="*", default=[0, 128, 64, 32, 16, 8, 4],
                         help="program caps of the gather table (0 = no cap); none: skip the table")
+    parser.add_argument("--plan", type=str, nargs="*", default=["8,8,1025,64", "32,8,1025,64", "1,8,4097,64"],
+                        help="shapes B,H_kv,NB,S of the plan table (none: skip it)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -217,7 +246,14 @@ def main() -> None:
                   "batch 8 + sparse attention at budget 2048), on another stream:\n\n")
         table += markdown_table(gathers, ["programs", "MB moved", "alone us", "alone GB/s", "beside compute GB/s",
                                           "compute us alone", "compute us beside gather", "compute slowdown"])
-    finish(args, table, {"env": env, "copy GB/s": hbm, "rows": rows, "gather": gathers}, plot_kernels)
+    plans = plan_rows([tuple(int(x) for x in shape.split(",")) for shape in args.plan])
+    if plans:
+        table += ("\n\nSelection plan of one layer-step (`BlockTable.plan`: top-S, hit/miss, eviction order, capped "
+                  "delta of 16, table update), each replayed in a CUDA graph; NB 1025 / 4097 = 32k / 128k tokens in "
+                  "blocks of 32, S 64 = budget 2048:\n\n")
+        table += markdown_table(plans, ["B", "H_kv", "NB", "S", "plans equal", "kernel us", "twin us", "speed-up"])
+    finish(args, table, {"env": env, "copy GB/s": hbm, "rows": rows, "gather": gathers, "plan": plans},
+           plot_kernels)
 
 
 if __name__ == "__main__":

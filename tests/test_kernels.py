@@ -12,6 +12,8 @@ from oasis_hf.kernels import (
     TRITON_AVAILABLE,
     copy_rows,
     copy_rows_ref,
+    plan_blocks,
+    plan_blocks_ref,
     score_blocks,
     score_blocks_ref,
     sparse_attention,
@@ -233,3 +235,63 @@ def test_package_works_without_triton():
     )
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=env)
+
+
+# (B, H_kv, S, NB): S not a power of two, NB == S, NB far above S (the 32k / budget-2048 shape: 513 blocks, 32 slots)
+PLAN_CASES = [
+    *(pytest.param(case, cap, id=f"{case}-{cap}") for case in [(2, 3, 5, 9), (1, 2, 4, 4), (2, 1, 7, 40)]
+      for cap in (None, 0, 2)),
+    pytest.param((1, 2, 32, 513), 2, id="32k-budget-2048"),  # ~10 s in the interpreter: one cap only
+]
+
+
+def _plan_scores(gen, batch, heads, num_blocks, live, step):
+    """Scores with what the planner must get right: ties (a coarse grid, +0.0 and -0.0), forced (+inf) sinks and
+    recent blocks, unchoosable (-inf) blocks past the live ones and a padded sequence."""
+    scores = torch.randint(0, 6, (batch, heads, num_blocks), generator=gen).float() / 5
+    scores[..., ::7] = -0.0
+    scores[..., live:] = -float("inf")
+    scores[..., 0] = float("inf")
+    scores[..., live - 1] = float("inf")
+    if batch > 1:
+        scores[1, :, : step % 3] = -float("inf")  # left padding of the second sequence
+    return scores
+
+
+@needs_triton
+@pytest.mark.parametrize(("case", "max_fetch"), PLAN_CASES)
+def test_plan_blocks_kernel_matches_twin(case, max_fetch):
+    """From an empty table through a chain of plans (the twin's table carried on), the kernel returns the same
+    plan and leaves the same table at every step, ties and caps included."""
+    batch, heads, num_slots, num_blocks = case
+    dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+    gen = torch.Generator().manual_seed(sum(case) + (max_fetch or 7))
+    slot_block = torch.full((batch, heads, num_slots + 1), -1, dtype=torch.long, device=dev)
+    slot_score = torch.full((batch, heads, num_slots + 1), -float("inf"), device=dev)
+    block_slot = torch.full((batch, heads, num_blocks + 1), -1, dtype=torch.long, device=dev)
+    for step in range(4):
+        live = max(2, num_blocks - 3 + step) if step < 3 else num_blocks
+        live = min(live, num_blocks)
+        scores = _plan_scores(gen, batch, heads, num_blocks, live, step).to(dev)
+        tables_k = [t.clone() for t in (slot_block, slot_score, block_slot)]
+        count_k, count_r = torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev)
+        out_k = plan_blocks(scores, *tables_k, max_fetch, count_k)
+        out_r = plan_blocks_ref(scores, slot_block, slot_score, block_slot, max_fetch, count_r)
+        for name, k, r in zip(("blocks", "slots", "valid"), out_k, out_r, strict=True):
+            assert torch.equal(k, r), f"step {step}: {name} differs\n{k}\n{r}"
+        assert torch.equal(tables_k[0][..., :num_slots], slot_block[..., :num_slots]), f"step {step}: slot_block"
+        assert torch.equal(tables_k[1][..., :num_slots], slot_score[..., :num_slots]), f"step {step}: slot_score"
+        assert torch.equal(tables_k[2][..., :-1], block_slot[..., :-1]), f"step {step}: block_slot"
+        assert int(count_k) == int(count_r) == int(out_r[2].sum())
+        if max_fetch is not None:
+            forced = out_r[2] & (scores.gather(-1, out_r[0]) == float("inf"))
+            assert int((out_r[2] & ~forced).sum(-1).max()) <= max_fetch
+
+
+@needs_triton
+def test_plan_blocks_rejects_what_it_cannot_plan():
+    table = [torch.full((1, 1, 5), -1, dtype=torch.long), torch.zeros(1, 1, 5), torch.full((1, 1, 9), -1)]
+    with pytest.raises(ValueError, match="slots"):
+        plan_blocks(torch.zeros(1, 1, 3), *table, None)  # fewer blocks scored than slots
+    with pytest.raises(ValueError, match="float32"):
+        plan_blocks(torch.zeros(1, 1, 6, dtype=torch.float16), *table, None)

@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from oasis_hf.kernels import use_triton
+from oasis_hf.kernels.plan_blocks import plan_blocks
+from oasis_hf.kernels.plan_blocks import supported as plan_kernel_supported
+from oasis_hf.kernels.ref import assign_blocks, plan_blocks_ref, propose_blocks, refresh_slot_scores
+
 INF = float("inf")
 
 
@@ -60,15 +65,15 @@ class BlockTable:
         All arguments are (B, H_kv, N); the valid slots of one (sequence, head) must be distinct and the blocks
         not resident elsewhere.
         """
-        trash_slot, trash_block = self.num_slots, self.capacity_blocks
-        old = self.slot_block.gather(-1, torch.where(valid, slots, trash_slot))
-        self.block_slot.scatter_(-1, torch.where(valid & (old >= 0), old, trash_block), -1)
-        target = torch.where(valid, slots, trash_slot)
-        self.slot_block.scatter_(-1, target, blocks)
-        self.slot_score.scatter_(-1, target, scores.float())
-        self.block_slot.scatter_(-1, torch.where(valid, blocks, trash_block), slots)
+        assign_blocks(self.slot_block, self.slot_score, self.block_slot, blocks, slots, valid, scores)
 
-    def plan(self, scores: torch.Tensor, max_fetch: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def plan(
+        self,
+        scores: torch.Tensor,
+        max_fetch: int | None,
+        backend: str = "torch",
+        fetched: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Make the top-``S`` blocks by `scores` resident (misses are the delta), and return the fetch plan.
 
         Parameters
@@ -77,51 +82,30 @@ class BlockTable:
             Importance per logical block: ``+inf`` must be resident, ``-inf`` must not be chosen.
         max_fetch : int | None
             Cap on misses fetched that are not ``+inf`` (best first); the least important resident blocks go.
+        backend : `OasisConfig.kernel_backend`: ``"auto"`` runs the one-launch Triton kernel `plan_blocks` on CUDA
+            (tables up to its size limit), ``"torch"`` the PyTorch twin; both give the same plan and table.
+        fetched : (1,) int64 or None — device counter the number of blocks to fetch is added to.
 
         Returns
         -------
         blocks, slots, valid : (B, H_kv, S) — fetch ``blocks[j]`` into ``slots[j]`` where ``valid[j]``.
         The table is already updated; the caller copies the data before reading the pool.
         """
-        blocks, free_slots, valid, block_scores = self.propose(scores, max_fetch)
-        self.assign(blocks, free_slots, valid, block_scores)
-        self.refresh_scores(scores)
-        return blocks, free_slots, valid
+        scores = scores.float()
+        tables = (scores, self.slot_block, self.slot_score, self.block_slot, max_fetch, fetched)
+        if use_triton(scores, backend) and plan_kernel_supported(scores.shape[-1], self.num_slots):
+            return plan_blocks(*tables)
+        return plan_blocks_ref(*tables)
 
     def propose(self, scores: torch.Tensor, max_fetch: int | None):
         """`plan` without touching the table: (blocks, slots, valid, block_scores), each (B, H_kv, S), the valid
         entries first. `commit` applies it later (the ``stale`` prefetch policy)."""
-        num_slots = self.num_slots
-        top, wanted = scores.topk(num_slots, dim=-1)  # sorted, best first
-        wanted_ok = top > -INF
-        hit_slot = self.block_slot.gather(-1, wanted)
-        hit = wanted_ok & (hit_slot >= 0)
-        miss = wanted_ok & ~hit
-        kept = torch.zeros_like(self.slot_block).scatter_add_(-1, torch.where(hit, hit_slot, num_slots), hit.long())
-        resident = self.slot_block[..., :num_slots]
-        current = scores.gather(-1, resident.clamp(min=0))
-        evict_key = torch.where(kept[..., :num_slots] > 0, INF, torch.where(resident < 0, -INF, current))
-        free_slots = evict_key.argsort(dim=-1)  # empty slots first, then the least important resident blocks
-        order = (~miss).to(torch.int8).argsort(dim=-1, stable=True)  # misses first, in score order
-        blocks = wanted.gather(-1, order)
-        valid = miss.gather(-1, order)
-        block_scores = top.gather(-1, order)
-        if max_fetch is not None:
-            forced = block_scores == INF
-            num_forced = (valid & forced).sum(-1, keepdim=True)
-            rank = torch.arange(num_slots, device=scores.device)
-            valid = valid & (forced | (rank < num_forced + max_fetch))
-        return blocks, free_slots, valid, block_scores
+        return propose_blocks(scores, self.slot_block, self.block_slot, max_fetch)
 
     def refresh_scores(self, scores: torch.Tensor) -> None:
         """Refresh the importance of everything resident with `scores` (the eviction order of the next plan);
         blocks past the width of `scores` (the table grew since) keep theirs."""
-        num_slots, width = self.num_slots, scores.shape[-1]
-        now = self.slot_block[..., :num_slots]
-        fresh = scores.gather(-1, now.clamp(0, width - 1))
-        self.slot_score[..., :num_slots] = torch.where(
-            now >= width, self.slot_score[..., :num_slots], torch.where(now >= 0, fresh, -INF)
-        )
+        refresh_slot_scores(self.slot_block, self.slot_score, scores)
 
     def commit(self, blocks, slots, valid, expected, block_scores, scores) -> torch.Tensor:
         """Apply a proposal made earlier against a table that may have changed since: an entry installs

@@ -243,7 +243,7 @@ class OasisLayer(CacheLayerMixin):
         self.summaries.write(block_ids, blocks_k, self._token_ok(block_ids, end))
         last = torch.full((), end - 1, dtype=torch.long, device=self.device)
         scores = self._scores(query[:, :, -1:], scale, last)  # initial selection: the last query
-        blocks, slots, valid = self.table.plan(scores, max_fetch=None)
+        blocks, slots, valid = self._plan(scores, max_fetch=None, count=False)
         # The pool is empty, so every chosen block is a miss: copy them from the chunk, not from host.
         # `slots` is a permutation of the S slots, so scattering all S entries is safe; invalid ones stay unmapped.
         index = blocks.clamp(0, num_blocks - 1)[..., None, None].expand(-1, -1, -1, cfg.block_size, self.head_dim)
@@ -277,13 +277,12 @@ class OasisLayer(CacheLayerMixin):
         touched = torch.arange(start // bs, num_blocks, device=self.device)
         self.summaries.write(touched, blocks_k[:, :, start // bs :], self._token_ok(touched, end))
         last = torch.full((), end - 1, dtype=torch.long, device=self.device)
-        _, _, valid = self.table.plan(self._scores(query[:, :, -1:], scale, last), max_fetch=None)
+        self._plan(self._scores(query[:, :, -1:], scale, last), max_fetch=None)
         resident = self.table.slot_block[..., : cfg.budget_blocks]
         index = resident.clamp(0, num_blocks - 1)[..., None, None].expand(-1, -1, -1, bs, self.head_dim)
         keep = (resident >= 0)[..., None, None]
         self.pool_k.copy_(torch.where(keep, blocks_k.gather(2, index), self.pool_k))
         self.pool_v.copy_(torch.where(keep, blocks_v.gather(2, index), self.pool_v))
-        self.cache.stats.record_fetched(valid)
         return out
 
     def _decode(self, query, key, value, scale, start) -> torch.Tensor:
@@ -339,10 +338,9 @@ class OasisLayer(CacheLayerMixin):
         if cfg.prefetch_policy == "stale":
             self._stage(scores)
         else:
-            blocks, slots, valid = self.table.plan(scores, cfg.max_fetch_blocks)
+            blocks, slots, valid = self._plan(scores, cfg.max_fetch_blocks)
             self.cache.host.fetch(self.layer_idx, blocks, self.pool_k, self.pool_v, slots, valid, cfg.kernel_backend,
                                   self._job_programs())
-            self.cache.stats.record_fetched(valid)
         self.cache.host.prefetch_hint(self.layer_idx, scores, self.table.num_slots)  # remote tier: pull ahead
 
     def _stage(self, scores: torch.Tensor) -> None:
@@ -513,9 +511,8 @@ class OasisLayer(CacheLayerMixin):
         # Selection, delta, fetch (synchronous selectors; asynchronous ones did it after the previous step).
         if not self.cache.selector.asynchronous:
             scores = self._scores(query, scale, start)
-            blocks, slots, valid = self.table.plan(scores, cfg.max_fetch_blocks)
+            blocks, slots, valid = self._plan(scores, cfg.max_fetch_blocks)
             self.cache.host.fetch(self.layer_idx, blocks, self.pool_k, self.pool_v, slots, valid, cfg.kernel_backend)
-            self.cache.stats.record_fetched(valid)
         attend = sparse_attention if use_triton(query, cfg.kernel_backend) else sparse_attention_ref
         out = attend(query, self.pool_k, self.pool_v, self.table.slot_block, end, self.kv_start, scale)
         if write_back:
@@ -599,6 +596,11 @@ class OasisLayer(CacheLayerMixin):
         recent_from = torch.minimum(num_blocks - cfg.recent_blocks, start // cfg.block_size)
         forced = block_ok & ((ids < first + cfg.sink_blocks) | (ids >= recent_from))
         return torch.where(forced, INF, torch.where(block_ok, raw.float(), -INF))
+
+    def _plan(self, scores: torch.Tensor, max_fetch: int | None, count: bool = True):
+        """`BlockTable.plan` with this layer's kernel backend; `count`: add the fetched blocks to the stats."""
+        fetched = self.cache.stats.counters(self.device)[1:2] if count else None
+        return self.table.plan(scores, max_fetch, self.config.kernel_backend, fetched)
 
     def _block_ids(self) -> torch.Tensor:
         """(1, 1, NB_cap) arange, rebuilt only when the capacity grows."""

@@ -63,7 +63,13 @@ def use_triton(tensor: torch.Tensor, backend: str) -> bool:
 
 
 from oasis_hf.kernels.copy_rows import copy_rows  # noqa: E402
-from oasis_hf.kernels.ref import copy_rows_ref, score_blocks_ref, sparse_attention_ref  # noqa: E402
+from oasis_hf.kernels.plan_blocks import plan_blocks  # noqa: E402
+from oasis_hf.kernels.ref import (  # noqa: E402
+    copy_rows_ref,
+    plan_blocks_ref,
+    score_blocks_ref,
+    sparse_attention_ref,
+)
 from oasis_hf.kernels.score_blocks import score_blocks  # noqa: E402
 from oasis_hf.kernels.sparse_attention import sparse_attention  # noqa: E402
 
@@ -72,6 +78,8 @@ __all__ = [
     "TRITON_AVAILABLE",
     "copy_rows",
     "copy_rows_ref",
+    "plan_blocks",
+    "plan_blocks_ref",
     "score_blocks",
     "score_blocks_ref",
     "sparse_attention",

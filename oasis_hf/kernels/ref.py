@@ -132,3 +132,107 @@ def _flat_view(tensor: torch.Tensor) -> torch.Tensor:
     """1-D view of the storage of `tensor`, starting at its first element."""
     total = tensor.untyped_storage().nbytes() // tensor.element_size() - tensor.storage_offset()
     return tensor.as_strided((total,), (1,), tensor.storage_offset())
+
+
+# ----------------------------------------------------------------------------------------------- block planning
+# The selection plan of `BlockTable` as functions of its tensors: ``slot_block`` / ``slot_score`` (B, H_kv, S + 1)
+# and ``block_slot`` (B, H_kv, NB_cap + 1), each with a trailing "trash" column that masked scatters write to.
+# Ties are broken by index (lower block first in the wanted order, lower slot first in the eviction order), so the
+# Triton kernel `plan_blocks` can reproduce the result exactly.
+
+_INF = float("inf")
+
+
+def propose_blocks(scores: torch.Tensor, slot_block: torch.Tensor, block_slot: torch.Tensor, max_fetch: int | None):
+    """The delta that makes the top-``S`` blocks by `scores` resident, without touching the tables.
+
+    Parameters
+    ----------
+    scores : (B, H_kv, NB) float — ``+inf`` must be resident, ``-inf`` must not be chosen.
+    slot_block : (B, H_kv, S + 1) long. block_slot : (B, H_kv, NB_cap + 1) long, ``NB_cap >= NB``.
+    max_fetch : cap on the misses fetched that are not ``+inf`` (best first), or None.
+
+    Returns
+    -------
+    blocks, slots, valid, block_scores : each (B, H_kv, S): install ``blocks[j]`` into ``slots[j]`` where
+    ``valid[j]``; the valid entries come first (misses in score order), ``slots`` is a permutation of the slots,
+    emptiest and least important first.
+    """
+    num_slots = slot_block.shape[-1] - 1
+    top, wanted = scores.sort(dim=-1, descending=True, stable=True)
+    top, wanted = top[..., :num_slots], wanted[..., :num_slots]
+    wanted_ok = top > -_INF
+    hit_slot = block_slot.gather(-1, wanted)
+    hit = wanted_ok & (hit_slot >= 0)
+    miss = wanted_ok & ~hit
+    kept = torch.zeros_like(slot_block).scatter_add_(-1, torch.where(hit, hit_slot, num_slots), hit.long())
+    resident = slot_block[..., :num_slots]
+    current = scores.gather(-1, resident.clamp(min=0))
+    evict_key = torch.where(kept[..., :num_slots] > 0, _INF, torch.where(resident < 0, -_INF, current))
+    free_slots = evict_key.argsort(dim=-1, stable=True)  # empty slots first, then the least important residents
+    order = (~miss).to(torch.int8).argsort(dim=-1, stable=True)  # misses first, in score order
+    blocks = wanted.gather(-1, order)
+    valid = miss.gather(-1, order)
+    block_scores = top.gather(-1, order)
+    if max_fetch is not None:
+        forced = block_scores == _INF
+        num_forced = (valid & forced).sum(-1, keepdim=True)
+        rank = torch.arange(num_slots, device=scores.device)
+        valid = valid & (forced | (rank < num_forced + max_fetch))
+    return blocks, free_slots, valid, block_scores
+
+
+def assign_blocks(slot_block, slot_score, block_slot, blocks, slots, valid, scores) -> None:
+    """Install ``blocks[..., j]`` into ``slots[..., j]`` where `valid` (all (B, H_kv, N)), evicting what those slots
+    held; the valid slots of one (sequence, head) must be distinct and the blocks not resident elsewhere."""
+    trash_slot, trash_block = slot_block.shape[-1] - 1, block_slot.shape[-1] - 1
+    old = slot_block.gather(-1, torch.where(valid, slots, trash_slot))
+    block_slot.scatter_(-1, torch.where(valid & (old >= 0), old, trash_block), -1)
+    target = torch.where(valid, slots, trash_slot)
+    slot_block.scatter_(-1, target, blocks)
+    slot_score.scatter_(-1, target, scores.float())
+    block_slot.scatter_(-1, torch.where(valid, blocks, trash_block), slots)
+
+
+def refresh_slot_scores(slot_block: torch.Tensor, slot_score: torch.Tensor, scores: torch.Tensor) -> None:
+    """Set every resident block's importance from `scores` (B, H_kv, NB) (the next plan's eviction order); blocks
+    past ``NB`` (the table grew since the scores were made) keep theirs, empty slots get ``-inf``."""
+    num_slots, width = slot_block.shape[-1] - 1, scores.shape[-1]
+    now = slot_block[..., :num_slots]
+    fresh = scores.gather(-1, now.clamp(0, width - 1))
+    slot_score[..., :num_slots] = torch.where(
+        now >= width, slot_score[..., :num_slots], torch.where(now >= 0, fresh, -_INF)
+    )
+
+
+def plan_blocks_ref(
+    scores: torch.Tensor,
+    slot_block: torch.Tensor,
+    slot_score: torch.Tensor,
+    block_slot: torch.Tensor,
+    max_fetch: int | None,
+    fetched: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Make the top-``S`` blocks by `scores` resident and return the fetch plan (twin of `plan_blocks`).
+
+    Parameters
+    ----------
+    scores : (B, H_kv, NB) float32
+        Importance per logical block: ``+inf`` must be resident, ``-inf`` must not be chosen.
+    slot_block, slot_score : (B, H_kv, S + 1) long / float32; block_slot : (B, H_kv, NB_cap + 1) long, ``NB_cap >=
+        NB``. The residency table (`oasis_hf.cache.block_table.BlockTable`), updated in place.
+    max_fetch : int | None
+        Cap on the misses fetched that are not ``+inf`` (best first); the least important residents are evicted.
+    fetched : (1,) int64 or None
+        A counter the number of blocks to fetch is added to (device-side statistics, no synchronisation).
+
+    Returns
+    -------
+    blocks, slots, valid : each (B, H_kv, S): copy block ``blocks[j]`` into slot ``slots[j]`` where ``valid[j]``.
+    """
+    blocks, slots, valid, block_scores = propose_blocks(scores, slot_block, block_slot, max_fetch)
+    assign_blocks(slot_block, slot_score, block_slot, blocks, slots, valid, block_scores)
+    refresh_slot_scores(slot_block, slot_score, scores)
+    if fetched is not None:
+        fetched.add_(valid.sum())
+    return blocks, slots, valid
