@@ -17,6 +17,7 @@ real blocks), the recent window (last blocks, new tokens included) and the selec
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from typing import TYPE_CHECKING
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
     from oasis_hf.cache.oasis_cache import OasisCache
 
 _HANDLE_ATTR = "_oasis_layer"
+
+logger = logging.getLogger(__name__)
 
 #: Decode / verification forwards of at most this many tokens are captured in CUDA graphs (one graph per ``T``).
 GRAPH_MAX_TOKENS = 16
@@ -442,9 +445,10 @@ class OasisLayer(CacheLayerMixin):
         graph = self._job_graphs.get(num_tokens)
         if graph is None or graph.scale != scale:
             if num_tokens not in self._job_warm:
+                # The warm-up runs exactly what the capture will (all T queries: not narrowable by drop_rejected),
+                # so every Triton specialisation is compiled before it; a compile inside a capture invalidates it.
                 self._job_warm.add(num_tokens)
-                job = self._eager_job = _EagerJob(self, query, start, num_tokens, scale)
-                return job
+                return _EagerJob(self, query, start, num_tokens, scale)
             self.cache.wait()  # nothing in flight on the worker while capturing
             graph = self._job_graphs[num_tokens] = _JobGraph(self, query, start, num_tokens, scale)
         return graph.graph.replay
@@ -669,8 +673,15 @@ def _capture(layer: OasisLayer, kind: str, stream: torch.cuda.Stream, fn):
         with capturing():
             try:
                 result = fn()
-            finally:
-                graph.capture_end()
+            except BaseException:
+                # A failed capture makes capture_end raise "operation failed due to a previous error during
+                # capture", which would hide the error that broke it: end it quietly and raise the real one.
+                try:
+                    graph.capture_end()
+                except Exception:  # noqa: BLE001 - the capture is invalid either way
+                    logger.debug("capture_end after a failed %s capture", kind, exc_info=True)
+                raise
+            graph.capture_end()
     torch.cuda.current_stream(device).wait_stream(stream)
     return graph, result
 
