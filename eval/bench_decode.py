@@ -47,8 +47,8 @@ PRESETS = {
                                 extra=[("lookahead", dict(prefetch=False), "selection jobs inline"),
                                        ("lookahead", dict(prefetch_policy="stale"), "stale policy"),
                                        ("lookahead", dict(fetch_programs=None), "gather on every SM (uncapped)"),
-                                       ("lookahead", dict(prefetch_launch="caller"),
-                                        "graph jobs launched by the caller")],
+                                       ("lookahead", dict(prefetch_launch="thread"),
+                                        "jobs via the worker thread")],
                                 floor_context=None, offload=True, warmup=3, repeats=20),
     # Performance issue: one long sequence, where dense reads 16 GiB of KV per step and OasisKV 256 MiB.
     "b1-128k": dict(shape=LLAMA_8B, batch=1, context=130560, host_capacity=131072, budget=2048,

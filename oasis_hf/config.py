@@ -76,12 +76,13 @@ class OasisConfig:
         thread and CUDA stream. The next step of a layer waits for its job, so the output is the same with
         ``False``, which runs each job inline right after the step. Default True.
     prefetch_launch : str
-        How a background job reaches its CUDA stream: ``"thread"`` (default) hands every job to the worker thread;
-        ``"caller"`` launches a job captured as a CUDA graph from the calling thread straight onto the prefetch
-        stream (no thread hand-off; eager jobs still go to the thread). In one run on the H200 (batch 8, 32k) the
-        decode step took 30.9 ms with ``"thread"`` and 44.7 ms with ``"caller"``: the caller's host time grew by
-        ~0.7 ms per layer, so a job-graph launch blocks the thread that issues it
-        (`eval/results/lookahead_decode_8b_b8_32k.md`).
+        How a background job reaches its CUDA stream: ``"caller"`` (default) launches a job captured as a CUDA graph
+        from the calling thread straight onto the prefetch stream (one graph launch, no thread hand-off; eager jobs,
+        e.g. on the CPU or before a job graph exists, still go to the worker thread); ``"thread"`` hands every job
+        to the worker thread. With the one-launch plan kernel (job graphs of ~40 nodes instead of ~140) the H200
+        measured 27.3 ms per decode step with ``"caller"`` against 47.0 ms with ``"thread"`` (batch 8, 32k, run 4,
+        `eval/results/lookahead_decode_8b_b8_32k_run4.md`); before it, with ~140-node job graphs, the order was
+        reversed (44.7 against 30.9 ms, run 2), because launching the larger graph blocked the caller.
     prefetch_policy : str
         What a step does when its layer's selection job is still running: ``"wait"`` (default: wait for it, so the
         selection never depends on timing) or ``"stale"`` (run on the blocks already resident, count a stale step,
@@ -123,7 +124,7 @@ class OasisConfig:
     host_memory_headroom_bytes: int = 1 << 30
     host_memory_limit_bytes: int | None = None
     prefetch: bool = True
-    prefetch_launch: str = "thread"
+    prefetch_launch: str = "caller"
     prefetch_policy: str = "wait"
     measure_recall: bool = False
     dense_chunk_tokens: int = 64

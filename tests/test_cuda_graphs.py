@@ -79,7 +79,7 @@ def test_prefetch_on_worker_stream_equals_inline(selector):
     ids, mask = ids.cuda(), mask.cuda()
     draft = tiny_model("llama", layers=1, device="cuda", dtype=torch.bfloat16)
     outs, stats = [], []
-    variants = [dict(prefetch=False), dict(prefetch=True), dict(prefetch=True, prefetch_launch="caller"),
+    variants = [dict(prefetch=False), dict(prefetch=True), dict(prefetch=True, prefetch_launch="thread"),
                 dict(prefetch=True, fetch_programs=1), dict(prefetch=True, fetch_programs=None)]
     for fields in variants:
         with oasis_cache(model, selector=selector, budget_tokens=128, max_fetch_blocks=2, **fields) as c:

@@ -12,9 +12,9 @@ On the CPU the same jobs run in the worker thread while the main thread moves on
 releases the GIL inside its kernels).
 
 A job that needs no host work once launched (a selection job captured as a CUDA graph: one replay) can instead be
-`launch`-ed by the calling thread straight onto the worker's stream (`OasisConfig.prefetch_launch="caller"`): the
-GPU still runs it beside the compute stream and no thread hand-off is paid, but the launch itself then blocks the
-caller (measured: the step's host time grew ~0.7 ms per layer on the H200), so the thread stays the default.
+`launch`-ed by the calling thread straight onto the worker's stream (`OasisConfig.prefetch_launch="caller"`, the
+default): the GPU still runs it beside the compute stream and no thread hand-off (nor GIL contention with the
+worker) is paid. The thread remains for eager jobs and for `prefetch_launch="thread"`.
 
 Lifecycle: `start` (idempotent) launches a non-daemon thread; `close` (idempotent) drains it and joins; the class
 is a context manager. An `OasisCache` closes its workers when it is closed or collected; a worker whose cache was

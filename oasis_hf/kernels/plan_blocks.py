@@ -26,8 +26,8 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-#: Most logical blocks one program sorts in registers (64k tokens at block size 32): at 4097 blocks (128k) the one-program
-#: sort measured slower than the twin on the H200 (220 against 183 us), so larger tables use the twin.
+#: Most logical blocks one program sorts in registers (64k tokens at block size 32). At 4097 blocks (128k) the
+#: one-program sort measured slower than the twin on the H200 (220 against 183 us), so larger tables use the twin.
 MAX_BLOCKS = 2048
 #: Most slots per (sequence, KV head) the kernel handles (budget 8192 tokens at block size 16).
 MAX_SLOTS = 512
