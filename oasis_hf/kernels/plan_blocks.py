@@ -41,7 +41,10 @@ if triton is not None:
         bits = (x + 0.0).to(tl.int32, bitcast=True)
         return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
-    @triton.jit
+    # The integer arguments are not specialised (Triton would compile a variant per "divisible by 16" / "equals 1"
+    # pattern of them): the sort networks take 3-7 s to compile, and the table's width changes as it grows, so a
+    # specialised kernel recompiled in the middle of a generation. One variant per (NBP, SP, COUNT) remains.
+    @triton.jit(do_not_specialize=["num_blocks", "num_slots", "stride_slot_row", "stride_block_row", "max_fetch"])
     def _plan_blocks_kernel(
         SCORES,
         SLOT_BLOCK,
