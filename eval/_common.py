@@ -125,8 +125,10 @@ def finish(args, table: str, payload: dict, plot=None) -> None:
 
 def write_results(path: Path, payload: dict, table: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".json").write_text(json.dumps(payload, indent=2, default=str))
-    path.with_suffix(".md").write_text(table + "\n")
+    from eval.plot import result_path
+
+    result_path(path, ".json").write_text(json.dumps(payload, indent=2, default=str))
+    result_path(path, ".md").write_text(table + "\n")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@ against the budget per method). ``--resume`` keeps the rows already written at `
 preset larger than one GPU session (``gpu-qwen-1.5b``: 22 method-budget pairs x 3 lengths x 9 tasks x 50 samples,
 about 30,000 requests) is completed over several sessions, and ``--lengths/--budgets/--methods`` pick a part of it.
 
+``--parts N`` runs the preset as N worker processes (one GPU each when the machine has N) that claim rows from a
+shared list as they go (a row's claim is a file created exclusively under ``<out>.claims/``), each writing its own
+``<out>.partK`` files, then merges them into ``--out``: on an 8-GPU machine the 30,000 requests take about an
+eighth of the time. A worker that dies leaves its claimed row undone; ``--resume`` runs it next time.
+
 kvpress presses (SnapKV, expected attention) run through kvpress's own API at the same KV size (``budget`` prompt
 tokens per layer and head); kvpress 0.5.5 needs a transformers that passes ``past_key_values`` to attention modules
 (5.17 here; 5.18+ renamed it), and the runner says so instead of skipping the rows.
@@ -20,13 +25,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import re
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
 from eval._common import environment, markdown_table, write_results
-from eval.plot import plot_vs_budget
+from eval.plot import plot_vs_budget, result_path
 from oasis_hf import models
 from oasis_hf.tasks import TASKS, write_suite
 
@@ -67,8 +76,14 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true",
                         help="keep the rows already in --out's JSON (same model, draft and samples) and run the rest")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--parts", type=int, default=None,
+                        help="run as this many worker processes (one GPU each where there are that many), then merge")
+    parser.add_argument("--part", type=int, default=None, help=argparse.SUPPRESS)  # a worker of --parts
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.parts is not None:
+        run_parts(parser, args)
+        return
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -79,7 +94,9 @@ def main() -> None:
         if getattr(args, key):
             preset[key] = getattr(args, key)
     rows = load_previous(args, preset) if args.resume else []
-    done = {(r["method"], r["budget"], r["length"]) for r in rows}
+    done = {row_key(r) for r in rows}
+    if args.part is not None:  # a worker: the merged rows are the parent's; this one writes only its own
+        rows, args.out = [], part_path(args.out, args.part)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = models.load(preset["model"], device=device)
     draft = models.load(preset["draft"], device=device)[0] if preset["draft"] else None
@@ -97,6 +114,8 @@ def main() -> None:
                     if (method, budget or "full", length) in done:
                         logger.info("%s @%s, %d tokens: in %s already", method, budget, length, args.out)
                         continue
+                    if args.part is not None and not claim(args.out, (method, budget or "full", length)):
+                        continue  # another worker has it
                     lm = OasisLM(pretrained=model, tokenizer=tokenizer, budget=budget or 2048, device=device,
                                  batch_size=batch_size, **fields)
                     out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager)
@@ -110,10 +129,119 @@ def main() -> None:
     report(args, preset, model, rows, lm_eval.__version__, final=True)
 
 
+def row_key(row: dict) -> tuple:
+    return row["method"], row["budget"], row["length"]
+
+
+def part_path(out: Path, part: int) -> Path:
+    return out.with_name(f"{out.name}.part{part}")
+
+
+def claims_dir(out: Path) -> Path:
+    """Where the workers of a ``--parts`` run claim rows (next to the worker's ``<out>.partK`` files)."""
+    return out.parent / f"{re.sub(r'[.]part[0-9]+$', '', out.name)}.claims"
+
+
+def claim(out: Path, key: tuple) -> bool:
+    """Claim row `key` for this worker: True for exactly one of the workers that ask (exclusive file creation)."""
+    folder = claims_dir(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    name = "_".join(str(part) for part in key).replace("/", "-").replace(" ", "-")
+    try:
+        os.close(os.open(folder / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def merge_rows(*row_lists: list[dict]) -> list[dict]:
+    """Rows of several runs, one per (method, budget, length), the first seen kept."""
+    merged: dict[tuple, dict] = {}
+    for rows in row_lists:
+        for row in rows:
+            merged.setdefault(row_key(row), row)
+    return list(merged.values())
+
+
+def run_parts(parser: argparse.ArgumentParser, args) -> None:
+    """``--parts N``: start N workers of this command (``CUDA_VISIBLE_DEVICES`` one GPU each when there are N),
+    wait for them, merge their rows with ``--out``'s (``--resume``) and write the report and plot there."""
+    if args.out is None:
+        parser.error("--parts needs --out (the workers write next to it, the merged result goes there)")
+    if args.parts < 1:
+        parser.error(f"--parts {args.parts}: give a positive number of workers")
+    gpus = torch.cuda.device_count()
+    if 1 < args.parts and 0 < gpus < args.parts:
+        logger.warning("--parts %d on %d GPUs: workers share GPUs", args.parts, gpus)
+    folder = claims_dir(args.out)
+    for stale in [*folder.glob("*"), *args.out.parent.glob(f"{args.out.name}.part*")]:
+        stale.unlink()  # a fresh start: earlier workers' claims and part files (their rows are in --out if merged)
+    argv = worker_argv(sys.argv[1:])
+    workers = []
+    for part in range(args.parts):
+        env = dict(os.environ)
+        if gpus >= args.parts:
+            env["CUDA_VISIBLE_DEVICES"] = str(part)
+        cmd = [sys.executable, "-m", "eval.accuracy", *argv, "--part", str(part), "--resume"]
+        workers.append(subprocess.Popen(cmd, env=env))
+    failed = [part for part, worker in enumerate(workers) if worker.wait() != 0]
+    preset = dict(PRESETS[args.preset])
+    for key in ("samples", "lengths", "budgets", "methods"):
+        if getattr(args, key):
+            preset[key] = getattr(args, key)
+    rows = merge_rows(load_previous(args, preset) if args.resume else [],
+                      *(_rows_of(part_path(args.out, part)) for part in range(args.parts)))
+    payload = {"env": environment(), "preset": args.preset, "config": preset, "rows": rows,
+               "summary": summarize(rows), "parts": args.parts}
+    _write_merged(args, preset, payload)
+    if failed:
+        raise SystemExit(f"workers {failed} of --parts {args.parts} failed (their claimed rows are not in "
+                         f"{args.out}); see their logs above, then run again with --resume")
+
+
+def worker_argv(argv: list[str]) -> list[str]:
+    """The parent's arguments without ``--parts N`` / ``--parts=N``: what each worker runs (plus ``--part K``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--parts":
+            skip = True
+        elif not arg.startswith("--parts="):
+            out.append(arg)
+    return out
+
+
+def _rows_of(path: Path) -> list[dict]:
+    json_path = result_path(path, ".json")
+    return json.loads(json_path.read_text())["rows"] if json_path.is_file() else []
+
+
+def _write_merged(args, preset: dict, payload: dict) -> None:
+    env = payload["env"]
+    header = (f"Test configuration: {env.get('gpu', 'cpu')} x {env.get('gpus', 1)}, torch {env['torch']}, "
+              f"transformers {env['transformers']}; model {preset['model']}, draft {preset['draft']}; lengths "
+              f"{preset['lengths']}, {preset['samples']} samples per task and length; scores 0-100 (share of expected "
+              f"strings in the answer); merged from {args.parts} worker processes; `{env['command']}`\n\n")
+    print(_tables(header, payload["rows"]))
+    write_results(args.out, payload, _tables(header, payload["rows"]))
+    plot_accuracy(payload, args.out)
+
+
+def _tables(header: str, rows: list[dict]) -> str:
+    """The summary table, then every row per task."""
+    lengths = sorted({r["length"] for r in rows})
+    table = header + "Suite average per method and budget (mean over the lengths measured):\n\n"
+    table += markdown_table(summarize(rows), ["method", "budget", "average", "lengths"] + [f"@{n}" for n in lengths])
+    table += "\n\nPer task, length, method and budget:\n\n"
+    tasks = sorted({k for r in rows for k in r} - {"method", "budget", "length", "average"})
+    return table + markdown_table(rows, ["method", "budget", "length", "average", *tasks])
+
+
 def load_previous(args, preset: dict) -> list[dict]:
     """Rows of an earlier run at ``--out`` with the same model, draft and samples (``--resume``): a preset too large
     for one GPU session is finished over several, each adding the (length, method, budget) rows it has time for."""
-    path = args.out.with_suffix(".json") if args.out else None
+    path = result_path(args.out, ".json") if args.out else None
     if path is None or not path.is_file():
         return []
     old = json.loads(path.read_text())
@@ -144,18 +272,13 @@ def report(args, preset: dict, model, rows: list[dict], lm_eval_version: str, fi
               f"{preset['draft']}; lengths {preset['lengths']}, {preset['samples']} samples per task and length; "
               f"scores 0-100 (share of expected strings in the answer); `{env['command']}`\n\n")
     summary = summarize(rows)
-    lengths = sorted({r["length"] for r in rows})
-    table = header + "Suite average per method and budget (mean over the lengths measured):\n\n"
-    table += markdown_table(summary, ["method", "budget", "average", "lengths"] + [f"@{n}" for n in lengths])
-    table += "\n\nPer task, length, method and budget:\n\n"
-    tasks = sorted({k for r in rows for k in r} - {"method", "budget", "length", "average"})
-    table += markdown_table(rows, ["method", "budget", "length", "average", *tasks])
+    table = _tables(header, rows)
     if final:
         print(table)
     if args.out is not None:
         payload = {"env": env, "preset": args.preset, "config": preset, "rows": rows, "summary": summary}
         write_results(args.out, payload, table)
-        if final:
+        if final and args.part is None:
             plot_accuracy(payload, args.out)
 
 

@@ -10,6 +10,17 @@ import json
 import sys
 from pathlib import Path
 
+_RESULT_SUFFIXES = (".json", ".md", ".png")
+
+
+def result_path(path: Path, ext: str) -> Path:
+    """`path` with the result extension `ext`: a ``.json``/``.md``/``.png`` suffix is replaced, anything else is
+    kept (``--out eval/results/accuracy_qwen_1.5b`` gives ``accuracy_qwen_1.5b.json``, not ``accuracy_qwen_1.json``)."""
+    path = Path(path)
+    if path.suffix in _RESULT_SUFFIXES:
+        path = path.with_suffix("")
+    return path.with_name(path.name + ext)
+
 
 def plot_decode(payload: dict, path: Path) -> Path | None:
     """Two panels per run: decode step time per method (dense dashed) and KV bytes per sequence on the GPU."""
@@ -39,7 +50,7 @@ def plot_decode(payload: dict, path: Path) -> Path | None:
     env, cfg = payload.get("env", {}), payload.get("config", {})
     fig.suptitle(f"{env.get('gpu', 'cpu')}: batch {cfg.get('batch')}, context {cfg.get('context')}, "
                  f"budget {cfg.get('budget')} ({payload.get('preset')})", fontsize=10)
-    return save_figure(fig, plt, path.with_suffix(".png"))
+    return save_figure(fig, plt, result_path(path, ".png"))
 
 
 def plot_vs_budget(rows: list[dict], value: str, path: Path, ylabel: str, title: str) -> Path | None:
@@ -66,7 +77,7 @@ def plot_vs_budget(rows: list[dict], value: str, path: Path, ylabel: str, title:
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return save_figure(fig, plt, path.with_suffix(".png"))
+    return save_figure(fig, plt, result_path(path, ".png"))
 
 
 def save_figure(fig, plt, out: Path) -> Path:
@@ -118,7 +129,7 @@ def plot_throughput(payload: dict, path: Path) -> Path | None:
     ax.set_title(f"{env.get('gpus', 1)} x {env.get('gpu', 'cpu')}: largest batch per method", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
-    return save_figure(fig, plt, path.with_suffix(".png"))
+    return save_figure(fig, plt, result_path(path, ".png"))
 
 
 def plot_kernels(payload: dict, path: Path) -> Path | None:
@@ -140,7 +151,7 @@ def plot_kernels(payload: dict, path: Path) -> Path | None:
     ax.set_title(f"sparse_attention, {payload.get('env', {}).get('gpu')}, Llama-8B heads", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return save_figure(fig, plt, path.with_suffix(".png"))
+    return save_figure(fig, plt, result_path(path, ".png"))
 
 
 def plot_remote_memory(payload: dict, path: Path) -> Path | None:
@@ -160,7 +171,7 @@ def plot_remote_memory(payload: dict, path: Path) -> Path | None:
     ax.set_xlabel("MiB per sequence (log scale)")
     ax.invert_yaxis()
     ax.legend(fontsize=8)
-    return save_figure(fig, plt, path.with_suffix(".png"))
+    return save_figure(fig, plt, result_path(path, ".png"))
 
 
 def plot_e2e(payload: dict, path: Path) -> Path | None:
@@ -181,7 +192,7 @@ def plot_e2e(payload: dict, path: Path) -> Path | None:
     ax.set_ylabel("new tokens/s (whole batch)")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=7)
-    return save_figure(fig, plt, path.with_suffix(".png"))
+    return save_figure(fig, plt, result_path(path, ".png"))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -64,6 +64,28 @@ def test_accuracy_summary_and_resume_guard(tmp_path):
         load_previous(Namespace(out=out), dict(preset, samples=10))
 
 
+def test_accuracy_parts_claim_each_row_once_and_merge(tmp_path):
+    """--parts plumbing: a row is claimed by exactly one worker, workers' rows merge one per key, the worker command
+    drops --parts, and a dotted --out keeps its name (accuracy_qwen_1.5b -> accuracy_qwen_1.5b.json)."""
+    from eval.accuracy import claim, claims_dir, merge_rows, part_path, worker_argv
+    from eval.plot import result_path
+
+    out = tmp_path / "accuracy_qwen_1.5b"
+    key = ("kvpress SnapKV", 512, 8192)
+    assert claim(part_path(out, 0), key) and not claim(part_path(out, 1), key) and not claim(out, key)
+    assert claim(part_path(out, 1), ("dense", "full", 8192))
+    assert claims_dir(part_path(out, 3)) == claims_dir(out) == tmp_path / "accuracy_qwen_1.5b.claims"
+    a = [{"method": "dense", "budget": "full", "length": 8192, "average": 1.0}]
+    b = [{"method": "dense", "budget": "full", "length": 8192, "average": 2.0},
+         {"method": "dense", "budget": "full", "length": 16384, "average": 3.0}]
+    assert [r["average"] for r in merge_rows(a, b)] == [1.0, 3.0]
+    assert worker_argv(["--preset", "gpu-qwen-1.5b", "--parts", "8", "--out", "x", "--parts=2"]) == [
+        "--preset", "gpu-qwen-1.5b", "--out", "x"]
+    assert result_path(out, ".json").name == "accuracy_qwen_1.5b.json"
+    assert result_path(part_path(out, 2), ".md").name == "accuracy_qwen_1.5b.part2.md"
+    assert result_path(tmp_path / "e2e.json", ".png").name == "e2e.png"
+
+
 def test_handoff_bench_writes_its_three_rows(tmp_path, monkeypatch):
     """Plumbing only (no timing asserted): the three hand-off modes run and are written."""
     import sys
