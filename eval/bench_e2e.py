@@ -107,8 +107,9 @@ def main() -> None:
         cache = cache if cache is not None else DynamicCache(config=model.config)
         return model.generate(**inputs, **gen, **extra, **{_compat.cache_kwarg(model): cache}), None
 
-    # Warm-up (CUDA context, cuBLAS, Triton compilation) outside the timed rows: a short run of each path.
-    inputs, _ = batch_prompts(tokenizer, 512, 1, device)
+    # Warm-up (CUDA context, cuBLAS, Triton compilation) outside the timed rows: a short run of each path at the
+    # timed context length, since some kernels compile one variant per table size class (`plan_blocks`: 3-7 s each).
+    inputs, _ = batch_prompts(tokenizer, args.context, 1, device)
     gen = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=pad)
     with torch.inference_mode():
         generate("greedy", None)

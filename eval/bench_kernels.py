@@ -10,9 +10,11 @@ device-to-device copy of 4 GiB (milliseconds long, so launch cost does not count
 
 The gather table moves what a lookahead job moves at batch 8 (Llama-8B KV shape, block 32, `max_fetch_blocks` 16):
 1024 random blocks of K and V (16 MiB) from one layer's pinned host store of 32k tokens into the block pool, for each
-program cap (`OasisConfig.fetch_programs`). "alone" is the gather by itself; "beside compute" replays it on a second
-stream while the compute stream runs a decode-like graph (the 8B MLP GEMMs at batch 8 and the sparse attention),
-and reports the gather's bandwidth there and how much it slowed the compute. Prints markdown tables and writes JSON.
+program cap (`OasisConfig.fetch_programs`), with the fetch kernel `gather_blocks` (one launch, K and V together) and
+the previous path (`copy_rows` twice, offsets precomputed). "alone" is the gather by itself; "beside compute"
+replays it on a second stream while the compute stream runs a decode-like graph (the 8B MLP GEMMs at batch 8 and the
+sparse attention), and reports the gather's bandwidth there and how much it slowed the compute. Prints markdown
+tables and writes JSON.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 from eval._common import environment, finish, markdown_table, median
 from eval.plot import plot_kernels
 from oasis_hf.cache.block_table import BlockTable
-from oasis_hf.kernels import copy_rows, sparse_attention, sparse_attention_ref
+from oasis_hf.kernels import copy_rows, gather_blocks, sparse_attention, sparse_attention_ref
 
 logger = logging.getLogger("eval.bench_kernels")
 
@@ -148,12 +150,17 @@ def gather_rows(programs_list: list[int | None], batch: int = 8, heads: int = 8,
     main, side = torch.cuda.current_stream(), torch.cuda.Stream()
     compute_graph = capture(compute)
     compute_alone = median([_elapsed(*timed(compute_graph, main)) for _ in range(20)])
+    valid = torch.ones_like(blocks, dtype=torch.bool)
     rows = []
-    for programs in programs_list:
-        def gather(programs=programs):
-            copy_rows(host_k, src_off, pool_k, dst_off, row, programs)
-            copy_rows(host_v, src_off, pool_v, dst_off, row, programs)
+    for programs, kernel in [(p, k) for p in programs_list for k in ("gather_blocks", "copy_rows x2")]:
+        def gather(programs=programs, kernel=kernel):
+            if kernel == "gather_blocks":  # the fetch path: one launch, offsets from the plan, K and V together
+                gather_blocks(host_k, host_v, pool_k, pool_v, blocks, slots, valid, 0, programs)
+            else:  # the previous fetch path: offsets precomputed, one launch for K and one for V
+                copy_rows(host_k, src_off, pool_k, dst_off, row, programs)
+                copy_rows(host_v, src_off, pool_v, dst_off, row, programs)
 
+        pool_k.zero_()
         gather_graph = capture(gather)
         alone = median([_elapsed(*timed(gather_graph, main)) for _ in range(20)])
         repeat = max(1, round(compute_alone / alone))
@@ -168,7 +175,7 @@ def gather_rows(programs_list: list[int | None], batch: int = 8, heads: int = 8,
             torch.cuda.synchronize()
             beside.append(_elapsed(*g) / repeat)
             slowed.append(_elapsed(*c))
-        rows.append({"programs": "all" if programs is None else programs, "MB moved": nbytes / 1e6,
+        rows.append({"programs": "all" if programs is None else programs, "kernel": kernel, "MB moved": nbytes / 1e6,
                      "alone us": alone * 1e3, "alone GB/s": nbytes / (alone / 1e3) / 1e9,
                      "beside compute GB/s": nbytes / (median(beside) / 1e3) / 1e9,
                      "compute us alone": compute_alone * 1e3, "compute us beside gather": median(slowed) * 1e3,
@@ -244,8 +251,9 @@ def main() -> None:
         table += ("\n\nDelta gather from pinned host memory, 1024 blocks of K and V (batch 8 x 8 KV heads x 16), "
                   "block 32 x 128 bf16, by program cap (`OasisConfig.fetch_programs`); compute = 8 x (Llama-8B MLP at "
                   "batch 8 + sparse attention at budget 2048), on another stream:\n\n")
-        table += markdown_table(gathers, ["programs", "MB moved", "alone us", "alone GB/s", "beside compute GB/s",
-                                          "compute us alone", "compute us beside gather", "compute slowdown"])
+        table += markdown_table(gathers, ["programs", "kernel", "MB moved", "alone us", "alone GB/s",
+                                          "beside compute GB/s", "compute us alone", "compute us beside gather",
+                                          "compute slowdown"])
     plans = plan_rows([tuple(int(x) for x in shape.split(",")) for shape in args.plan])
     if plans:
         table += ("\n\nSelection plan of one layer-step (`BlockTable.plan`: top-S, hit/miss, eviction order, capped "

@@ -12,6 +12,8 @@ from oasis_hf.kernels import (
     TRITON_AVAILABLE,
     copy_rows,
     copy_rows_ref,
+    gather_blocks,
+    gather_blocks_ref,
     plan_blocks,
     plan_blocks_ref,
     score_blocks,
@@ -295,3 +297,56 @@ def test_plan_blocks_rejects_what_it_cannot_plan():
         plan_blocks(torch.zeros(1, 1, 3), *table, None)  # fewer blocks scored than slots
     with pytest.raises(ValueError, match="float32"):
         plan_blocks(torch.zeros(1, 1, 6, dtype=torch.float16), *table, None)
+
+
+def _gather_case(dev, seed, batch=2, heads=3, src_blocks=7, slots=5, bs=4, dim=8, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    src_k = torch.randn(batch, heads, src_blocks, bs, dim, generator=gen).to(dtype)
+    src_v = torch.randn(batch, heads, src_blocks, bs, dim, generator=gen).to(dtype)
+    blocks = torch.randint(0, src_blocks + 6, (batch, heads, slots), generator=gen) + 3  # some outside the segment
+    slots_ = torch.stack([torch.randperm(slots, generator=gen) for _ in range(batch * heads)]).view(batch, heads, -1)
+    valid = torch.rand(batch, heads, slots, generator=gen) < 0.7
+    pools = [torch.full((batch, heads, slots, bs, dim), float("nan"), device=dev).to(dtype) for _ in range(4)]
+    return src_k, src_v, pools, blocks.to(dev), slots_.to(dev), valid.to(dev)
+
+
+@needs_triton
+@pytest.mark.parametrize("max_programs", [None, 1, 3])
+def test_gather_blocks_kernel_matches_twin(max_programs):
+    """A plan (blocks, slots, valid) of a segment that starts at block 3: entries invalid or outside the segment
+    leave the pool untouched; K and V land in the planned slots."""
+    dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+    src_k, src_v, (k1, v1, k2, v2), blocks, slots, valid = _gather_case(dev, max_programs or 0)
+    src_k, src_v = src_k.to(dev), src_v.to(dev)
+    gather_blocks(src_k, src_v, k1, v1, blocks, slots, valid, 3, max_programs)
+    gather_blocks_ref(src_k, src_v, k2, v2, blocks, slots, valid, 3, max_programs)
+    torch.testing.assert_close(k1, k2, equal_nan=True)
+    torch.testing.assert_close(v1, v2, equal_nan=True)
+    b, h, j = next(zip(*((valid & (blocks >= 3) & (blocks < 10)).nonzero(as_tuple=True)), strict=True))
+    assert torch.equal(k1[b, h, slots[b, h, j]], src_k[b, h, blocks[b, h, j] - 3])
+    assert torch.isnan(k1).any(), "the case must leave some slots untouched"
+
+
+def test_gather_blocks_rejects_mismatched_shapes():
+    src = torch.zeros(2, 3, 4, 4, 8)
+    pool = torch.zeros(2, 3, 5, 4, 8)
+    plan = torch.zeros(2, 3, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match="disagree"):
+        gather_blocks(src, src, torch.zeros(2, 3, 5, 4, 16), torch.zeros(2, 3, 5, 4, 16), plan, plan, plan.bool())
+    with pytest.raises(ValueError, match=r"\(B, H_kv, N\)"):
+        gather_blocks(src, src, pool, pool, plan[:, :2], plan, plan.bool())
+
+
+@pytest.mark.gpu
+def test_gather_blocks_reads_pinned_host_memory():
+    """The real case: a pinned host segment, bf16 blocks of 32 x 128, the pool on the GPU, a capped grid."""
+    src_k, src_v, (k1, v1, k2, v2), blocks, slots, valid = _gather_case(
+        "cuda", 5, batch=4, heads=8, src_blocks=40, slots=16, bs=32, dim=128, dtype=torch.bfloat16)
+    src_k, src_v = src_k.pin_memory(), src_v.pin_memory()
+    gather_blocks(src_k, src_v, k1, v1, blocks, slots, valid, 3, 4)
+    gather_blocks_ref(src_k, src_v, k2, v2, blocks, slots, valid, 3)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(k1, k2, equal_nan=True)
+    torch.testing.assert_close(v1, v2, equal_nan=True)
+    with pytest.raises(ValueError, match="pageable"):
+        gather_blocks(src_k.clone(), src_v.clone(), k1, v1, blocks, slots, valid)

@@ -3,9 +3,9 @@
 Layout per layer and segment: ``(B, H_kv, NB_seg, BS, D)``, so one (sequence, head, block) is one contiguous run of
 ``BS * D`` elements (one row for the gather kernel). The store grows by appending segments (each at least half the
 current capacity): tokens already written are never copied again. Memory is pinned when CUDA is present, so the GPU
-reads (fetch) and writes (write-back) it directly with `copy_rows`. A segment is one buffer page-locked at its exact
-size (`PinnedBuffer`), not PyTorch's power-of-two-rounded pinned allocations, and every GPU of the process can
-address it (a model split across GPUs shares one store).
+reads (fetch, `gather_blocks`) and writes (write-back, `copy_rows`) it directly. A segment is one buffer page-locked
+at its exact size (`PinnedBuffer`), not PyTorch's power-of-two-rounded pinned allocations, and every GPU of the
+process can address it (a model split across GPUs shares one store).
 
 An allocation is checked against the free host memory *before* it is made, for all layers at once, and fails with
 `HostMemoryError` naming the bytes needed and available.
@@ -22,7 +22,7 @@ import torch
 
 from oasis_hf.cache.pinned import PinnedBuffer
 from oasis_hf.errors import HostMemoryError
-from oasis_hf.kernels import copy_rows, copy_rows_ref
+from oasis_hf.kernels import copy_rows, gather_blocks, gather_blocks_ref
 
 logger = logging.getLogger(__name__)
 
@@ -268,28 +268,19 @@ class HostKVStore:
         """Copy blocks from host into pool slots: ``pool[b, h, slots[b,h,j]] = store[b, h, blocks[b,h,j]]``.
 
         `blocks`, `slots`, `valid`: (B, H_kv, N) on the pool's device; entries with ``valid == False`` are skipped.
-        `pool_k`/`pool_v`: (B, H_kv, S, BS, D). One launch per segment and tensor, no host synchronisation.
+        `pool_k`/`pool_v`: (B, H_kv, S, BS, D). One `gather_blocks` launch per segment (K and V together, the row
+        offsets computed in the kernel from the plan), no host synchronisation.
         `max_programs`: cap on the gather kernel's programs (see `copy_rows`); background jobs pass
         `OasisConfig.fetch_programs`, a fetch inside the decode step passes None (the whole GPU).
         """
-        batch, heads, _ = blocks.shape
-        dev = pool_k.device
-        row = self.block_size * self.head_dim
-        bh = self._bh(batch, heads, dev)
-        dst_off = ((bh * pool_k.shape[2] + slots) * row).reshape(-1)
+        if pool_k.is_cuda and not self.pin:
+            raise RuntimeError(
+                "the host store is not pinned, so the GPU cannot read it; set OasisConfig.pin_host_memory=True"
+            )
+        gather = gather_blocks if pool_k.is_cuda else gather_blocks_ref
         for seg in self.segments:
-            local = blocks - seg.start_block
-            inside = valid & (local >= 0) & (local < seg.num_blocks)
-            src_off = torch.where(inside, (bh * seg.num_blocks + local) * row, -1).reshape(-1)
-            for src, dst in ((seg.keys[layer], pool_k), (seg.values[layer], pool_v)):
-                if dst.is_cuda and self.pin:
-                    copy_rows(src, src_off, dst, dst_off, row, max_programs)
-                elif dst.is_cuda:
-                    raise RuntimeError(
-                        "the host store is not pinned, so the GPU cannot read it; set OasisConfig.pin_host_memory=True"
-                    )
-                else:
-                    copy_rows_ref(src, src_off, dst, dst_off, row)
+            gather(seg.keys[layer], seg.values[layer], pool_k, pool_v, blocks, slots, valid, seg.start_block,
+                   max_programs)
 
     def read_range(self, layer: int, num_tokens: int, device, values: bool = True):
         """K and V of positions ``0 .. num_tokens - 1`` of `layer`, each (B, H_kv, num_tokens, D) on `device`

@@ -63,9 +63,11 @@ def use_triton(tensor: torch.Tensor, backend: str) -> bool:
 
 
 from oasis_hf.kernels.copy_rows import copy_rows  # noqa: E402
+from oasis_hf.kernels.gather_blocks import gather_blocks  # noqa: E402
 from oasis_hf.kernels.plan_blocks import plan_blocks  # noqa: E402
 from oasis_hf.kernels.ref import (  # noqa: E402
     copy_rows_ref,
+    gather_blocks_ref,
     plan_blocks_ref,
     score_blocks_ref,
     sparse_attention_ref,
@@ -78,6 +80,8 @@ __all__ = [
     "TRITON_AVAILABLE",
     "copy_rows",
     "copy_rows_ref",
+    "gather_blocks",
+    "gather_blocks_ref",
     "plan_blocks",
     "plan_blocks_ref",
     "score_blocks",

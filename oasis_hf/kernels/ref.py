@@ -236,3 +236,31 @@ def plan_blocks_ref(
     if fetched is not None:
         fetched.add_(valid.sum())
     return blocks, slots, valid
+
+
+def gather_blocks_ref(
+    src_k: torch.Tensor,
+    src_v: torch.Tensor,
+    dst_k: torch.Tensor,
+    dst_v: torch.Tensor,
+    blocks: torch.Tensor,
+    slots: torch.Tensor,
+    valid: torch.Tensor,
+    first_block: int = 0,
+    max_programs: int | None = None,
+) -> None:
+    """``dst[b, h, slots[b,h,j]] = src[b, h, blocks[b,h,j] - first_block]`` for K and V (twin of `gather_blocks`).
+
+    src_k, src_v : (B, H_kv, NB_src, BS, D) a store segment (any device); dst_k, dst_v : (B, H_kv, S, BS, D);
+    blocks, slots : (B, H_kv, N) long; valid : (B, H_kv, N) bool — entries not valid, or whose block is outside
+    ``first_block .. first_block + NB_src - 1``, are skipped. `max_programs` is the kernel's scheduling hint, unused.
+    """
+    local = blocks - first_block
+    take = valid & (local >= 0) & (local < src_k.shape[2])
+    if not bool(take.any()):
+        return
+    b, h, j = take.nonzero(as_tuple=True)
+    rows, dst_slots = local[b, h, j], slots[b, h, j]
+    b_src, h_src, rows_src = (t.to(src_k.device) for t in (b, h, rows))
+    for src, dst in ((src_k, dst_k), (src_v, dst_v)):
+        dst[b, h, dst_slots] = src[b_src, h_src, rows_src].to(dst.device)
