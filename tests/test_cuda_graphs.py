@@ -94,3 +94,21 @@ def test_prefetch_on_worker_stream_equals_inline(selector):
     with oasis_cache(model, selector=selector, budget_tokens=128, max_fetch_blocks=2) as c:
         generate(model, ids[:1], mask[:1], c, assistant_model=draft)  # T varies: one graph per T, jobs in between
         assert c.stats.summary()["prefetch_jobs"] > 0
+
+
+@pytest.mark.parametrize("selector", ["current-query", "lookahead"])
+def test_graphs_recaptured_after_the_host_store_grows(selector):
+    """The store grows while decoding (tables reallocated, graphs dropped): each T's step and job run eagerly at the
+    new table size before their next capture (kernels specialised on it compile outside the capture), and the
+    output still equals eager decoding."""
+    model = tiny_model("llama", attn="oasis", device="cuda")
+    ids, mask = left_padded([200, 170])
+    ids, mask = ids.cuda(), mask.cuda()
+    fields = dict(selector=selector, budget_tokens=128, max_fetch_blocks=2, host_growth_tokens=16)
+    with oasis_cache(model, cuda_graphs=False, **fields) as eager:
+        ref = generate(model, ids, mask, eager)
+    with oasis_cache(model, **fields) as cache:
+        out = generate(model, ids, mask, cache)
+        assert cache.host.capacity_blocks > 13, "the store did not grow while decoding"
+        assert cache.stats.summary()["graph_replays"] > 0
+    assert torch.equal(out, ref)

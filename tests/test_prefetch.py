@@ -227,6 +227,24 @@ def test_prefetch_with_host_growth_keeps_tables_consistent(monkeypatch):
     assert torch.equal(out, ref)
 
 
+def test_growth_and_reset_send_each_query_length_back_to_an_eager_warm_up():
+    """After the tables grow (or the cache resets) no step or job of any T is captured before it ran eagerly again
+    at the new size: a CUDA graph capture must not be the first run of a kernel variant (it would compile inside)."""
+    model = tiny_model("llama", attn="oasis")
+    ids, mask = left_padded([60])
+    with oasis_cache(model, selector="lookahead") as cache:
+        generate(model, ids, mask, cache)
+        layer = cache.oasis_layers[0]
+        layer._warm.update({1, 5})
+        layer._job_warm.update({1, 5})
+        layer.grow(layer.table.capacity_blocks + 8)
+        assert not layer._warm and not layer._job_warm
+        layer._warm.add(1)
+        layer._job_warm.add(1)
+        layer.reset()
+        assert not layer._warm and not layer._job_warm
+
+
 @pytest.mark.parametrize("drop", [True, False])
 def test_rejected_drafts_are_dropped_from_jobs_not_started(monkeypatch, drop):
     """A verification forward of 4 tokens, 2 of them rejected (crop): queued jobs score with the 2 accepted queries

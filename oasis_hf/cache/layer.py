@@ -168,6 +168,8 @@ class OasisLayer(CacheLayerMixin):
             self._await_job()
         self._graphs.clear()  # the next prefill sets a new kv_start tensor
         self._job_graphs.clear()
+        self._warm.clear()  # and each T warms up eagerly again before its capture (see `grow`)
+        self._job_warm.clear()
         self._stage_pending = False
         self.length = 0
         self._pending = None
@@ -204,7 +206,11 @@ class OasisLayer(CacheLayerMixin):
                 self._await_job()  # the cache waited for every job before growing, so this does not block
                 self._apply_staged()
             self._staged = None
-            self._job_warm.clear()  # the next job of each T runs eagerly (and allocates) before a capture
+            # The next step and job of each T run eagerly (allocating, and compiling the kernel variants of the new
+            # table size: `plan_blocks` and `score_blocks` specialise on it) before they are captured again: a
+            # compilation inside a capture invalidates it.
+            self._warm.clear()
+            self._job_warm.clear()
             self.table.grow(capacity_blocks)
             self.summaries.grow(capacity_blocks)
 
