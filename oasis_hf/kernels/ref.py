@@ -213,23 +213,8 @@ def plan_blocks_ref(
     max_fetch: int | None,
     fetched: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Make the top-``S`` blocks by `scores` resident and return the fetch plan (twin of `plan_blocks`).
-
-    Parameters
-    ----------
-    scores : (B, H_kv, NB) float32
-        Importance per logical block: ``+inf`` must be resident, ``-inf`` must not be chosen.
-    slot_block, slot_score : (B, H_kv, S + 1) long / float32; block_slot : (B, H_kv, NB_cap + 1) long, ``NB_cap >=
-        NB``. The residency table (`oasis_hf.cache.block_table.BlockTable`), updated in place.
-    max_fetch : int | None
-        Cap on the misses fetched that are not ``+inf`` (best first); the least important residents are evicted.
-    fetched : (1,) int64 or None
-        A counter the number of blocks to fetch is added to (device-side statistics, no synchronisation).
-
-    Returns
-    -------
-    blocks, slots, valid : each (B, H_kv, S): copy block ``blocks[j]`` into slot ``slots[j]`` where ``valid[j]``.
-    """
+    """Twin of `plan_blocks` (same arguments and result, see there): `propose_blocks`, then `assign_blocks` and
+    `refresh_slot_scores` on the tables in place; returns (blocks, slots, valid), each (B, H_kv, S)."""
     blocks, slots, valid, block_scores = propose_blocks(scores, slot_block, block_slot, max_fetch)
     assign_blocks(slot_block, slot_score, block_slot, blocks, slots, valid, block_scores)
     refresh_slot_scores(slot_block, slot_score, scores)
@@ -249,12 +234,8 @@ def gather_blocks_ref(
     first_block: int = 0,
     max_programs: int | None = None,
 ) -> None:
-    """``dst[b, h, slots[b,h,j]] = src[b, h, blocks[b,h,j] - first_block]`` for K and V (twin of `gather_blocks`).
-
-    src_k, src_v : (B, H_kv, NB_src, BS, D) a store segment (any device); dst_k, dst_v : (B, H_kv, S, BS, D);
-    blocks, slots : (B, H_kv, N) long; valid : (B, H_kv, N) bool — entries not valid, or whose block is outside
-    ``first_block .. first_block + NB_src - 1``, are skipped. `max_programs` is the kernel's scheduling hint, unused.
-    """
+    """Twin of `gather_blocks` (same arguments, see there): ``dst[b, h, slots[b,h,j]] = src[b, h, blocks[b,h,j] -
+    first_block]`` for K and V where valid and inside the segment, with index ops on any device."""
     local = blocks - first_block
     take = valid & (local >= 0) & (local < src_k.shape[2])
     if not bool(take.any()):
