@@ -42,13 +42,14 @@ from oasis_hf.tasks import TASKS, write_suite
 logger = logging.getLogger("eval.accuracy")
 
 # method label -> OasisLM keyword arguments (budget added per row; dense ignores it). ``batch_size=1``: the method
-# generates one request at a time (transformers' prompt lookup, kvpress presses); the others take the preset's.
+# generates one request at a time (kvpress presses); the others take the preset's (draft-model and prompt-lookup
+# drafts go through `speculative_generate`, batched).
 METHODS = {
     "dense": dict(dense=True),
     "static (StreamingLLM)": dict(selector="static"),
     "current-query": dict(selector="current-query"),
     "previous-query": dict(selector="previous-query"),
-    "lookahead (prompt lookup 3)": dict(selector="lookahead", prompt_lookup=3, batch_size=1),
+    "lookahead (prompt lookup 3)": dict(selector="lookahead", prompt_lookup=3),
     "lookahead (draft model)": dict(selector="lookahead", draft=True),
     "kvpress SnapKV": dict(press="SnapKVPress", batch_size=1),
     "kvpress expected attention": dict(press="ExpectedAttentionPress", batch_size=1),

@@ -1,7 +1,9 @@
 """Batched speculative decoding (draft, verify, accept per sequence) for batch sizes transformers refuses.
 
 transformers' assisted generation runs batch 1 only. `speculative_generate` drafts ``k`` tokens for every sequence
-with a small draft model, verifies them with one target forward of ``k + 1`` tokens (with an `OasisCache` these
+with a small draft model, or with prompt lookup (``draft_model=None``: the tokens that followed the earliest earlier
+occurrence of the sequence's last n-gram, as transformers' ``prompt_lookup_num_tokens`` does, for the whole batch at
+once), verifies them with one target forward of ``k + 1`` tokens (with an `OasisCache` these
 are the queries the lookahead prefetcher scores blocks with), and accepts per sequence:
 
 - greedy: a draft token is accepted while it equals the target's argmax;
@@ -66,6 +68,33 @@ def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(logits / temperature, dim=-1)
 
 
+def prompt_lookup_drafts(seq: torch.Tensor, mask: torch.Tensor, k: int, max_ngram: int = 2) -> torch.Tensor:
+    """Prompt-lookup drafts for a batch: (B, k) token ids.
+
+    For each sequence of `seq` (B, L), the longest n-gram (``max_ngram`` down to 1) ending the sequence is looked up
+    among its earlier real tokens (`mask` (B, L), 0 on left padding); the draft is the ``k`` tokens that followed the
+    earliest occurrence (transformers' `PromptLookupCandidateGenerator` rule), padded with the last token where fewer
+    follow. A sequence with no match drafts its last token repeated (rejected at no extra cost: the verify forward
+    has a fixed ``k + 1`` tokens). Device work only, no host synchronisation.
+    """
+    batch, length = seq.shape
+    drafts = seq[:, -1:].expand(batch, k).clone()
+    found = torch.zeros(batch, dtype=torch.bool, device=seq.device)
+    real = mask.bool()
+    offsets = torch.arange(k, device=seq.device)
+    for n in range(min(max_ngram, length - 1), 0, -1):
+        starts = torch.arange(length - n + 1, device=seq.device)
+        match = (seq.unfold(1, n, 1) == seq[:, None, -n:]).all(-1)  # (B, L - n + 1): window i equals the tail
+        match &= real[:, : length - n + 1] & (starts + n < length)  # real tokens, and something follows
+        first = match.float().argmax(-1)  # the earliest match (argmax returns the first maximum)
+        index = first[:, None] + n + offsets
+        cand = torch.where(index < length, seq.gather(1, index.clamp(max=length - 1)), seq[:, -1:])
+        hit = match.any(-1) & ~found
+        drafts = torch.where(hit[:, None], cand, drafts)
+        found |= hit
+    return drafts
+
+
 @torch.inference_mode()
 def speculative_generate(
     model,
@@ -83,12 +112,14 @@ def speculative_generate(
     pad_token_id: int | None = None,
     generator: torch.Generator | None = None,
     draft_cuda_graphs: bool = True,
+    prompt_lookup_max_ngram: int = 2,
 ) -> SpeculativeOutput:
     """Generate with a draft model for any batch size; greedy output equals the target's own greedy output.
 
     Parameters
     ----------
-    model, draft_model : causal LMs sharing one tokenizer (same vocabulary ids), on one device.
+    model, draft_model : causal LMs sharing one tokenizer (same vocabulary ids), on one device. ``draft_model=None``
+        drafts by prompt lookup instead (`prompt_lookup_drafts`, n-grams up to `prompt_lookup_max_ngram`).
     input_ids : (B, P) prompt ids, left padded. attention_mask : (B, P), 1 for real tokens (None: all real).
     cache : the target's cache, empty (e.g. a fresh `OasisCache`; None: `DynamicCache`).
     draft_cache : the draft's cache, empty (None: `DynamicCache`).
@@ -110,7 +141,11 @@ def speculative_generate(
         )
     if do_sample and temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0 with do_sample=True (use do_sample=False for greedy)")
-    vocab = min(model.get_output_embeddings().weight.shape[0], draft_model.get_output_embeddings().weight.shape[0])
+    if prompt_lookup_max_ngram < 1:
+        raise ValueError(f"prompt_lookup_max_ngram={prompt_lookup_max_ngram} must be >= 1")
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if draft_model is not None:
+        vocab = min(vocab, draft_model.get_output_embeddings().weight.shape[0])
     if cache is not None and cache.get_seq_length() != 0:
         raise UnsupportedError("speculative_generate needs an empty target cache; pass a fresh OasisCache")
     device = input_ids.device
@@ -118,7 +153,8 @@ def speculative_generate(
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
     cache = cache if cache is not None else DynamicCache(config=model.config)
     max_len = input_ids.shape[1] + max_new_tokens + num_draft_tokens + 1
-    drafter = make_draft(draft_model, batch, max_len, device, draft_cuda_graphs, draft_cache)
+    drafter = None if draft_model is None else make_draft(draft_model, batch, max_len, device, draft_cuda_graphs,
+                                                          draft_cache)
     kw_target = _compat.cache_kwarg(model)
     eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=device).long().flatten()
     pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
@@ -132,7 +168,7 @@ def speculative_generate(
 
     # Prefill both models on the prompt; the target's last logits give the first new token.
     logits = _forward(model, input_ids, mask, cache, kw_target)[:, -1, :vocab]
-    if input_ids.shape[1] > 1:
+    if drafter is not None and input_ids.shape[1] > 1:
         drafter.prefill(input_ids[:, :-1], mask[:, :-1])
     last = choose(_probs(logits, temperature) if do_sample else logits)  # (B,) first new token, not in any cache
     seq = torch.cat([input_ids, last[:, None]], dim=1)
@@ -142,19 +178,11 @@ def speculative_generate(
 
     while produced < max_new_tokens and not bool(finished.all()):
         k = min(num_draft_tokens, max_new_tokens - produced)
-        # Draft k tokens: first feed what the draft cache lacks (the tokens after its length).
-        pending = seq[:, drafter.length :]
-        drafts, draft_probs = [], []
-        step_ids, step_mask = pending, mask[:, : seq.shape[1]]
-        for _ in range(k):
-            d_logits = drafter.feed(step_ids, step_mask)[:, :vocab]
-            q = _probs(d_logits, temperature) if do_sample else d_logits
-            token = choose(q)
-            drafts.append(token)
-            draft_probs.append(q)
-            step_ids = token[:, None]
-            step_mask = torch.cat([step_mask, step_mask.new_ones(batch, 1)], dim=1)
-        draft_ids = torch.stack(drafts, dim=1)  # (B, k)
+        if drafter is None:  # prompt lookup: a deterministic proposal, q is one-hot on it
+            draft_ids = prompt_lookup_drafts(seq, mask, k, prompt_lookup_max_ngram)
+            draft_probs = list(torch.nn.functional.one_hot(draft_ids, vocab).float().unbind(1)) if do_sample else []
+        else:
+            draft_ids, draft_probs = _draft(drafter, seq, mask, k, vocab, do_sample, temperature, choose)
         # Verify: one target forward over [last, d_1 .. d_k].
         verify_ids = torch.cat([last[:, None], draft_ids], dim=1)
         verify_mask = torch.cat([mask, mask.new_ones(batch, k)], dim=1)
@@ -192,7 +220,8 @@ def speculative_generate(
         # Keep [last, d_1 .. d_n] in the target cache; the draft cache keeps at most as much.
         keep = seq.shape[1] + n
         _compat.crop_to(cache, keep)
-        drafter.rewind(keep)
+        if drafter is not None:
+            drafter.rewind(keep)
         seq = torch.cat([seq, new], dim=1)
         mask = torch.cat([mask, mask.new_ones(batch, n + 1)], dim=1)
         last = new[:, -1]
@@ -204,3 +233,20 @@ def speculative_generate(
     stats.seconds = time.perf_counter() - t0
     total = input_ids.shape[1] + max_new_tokens
     return SpeculativeOutput(sequences=seq[:, :total], stats=stats)
+
+
+def _draft(drafter, seq, mask, k: int, vocab: int, do_sample: bool, temperature: float, choose):
+    """``k`` draft tokens per sequence from the draft model, (B, k), and their distributions (sampling) or logits:
+    first feed what the draft cache lacks (the tokens after its length), then one token at a time."""
+    batch = seq.shape[0]
+    drafts, draft_probs = [], []
+    step_ids, step_mask = seq[:, drafter.length :], mask[:, : seq.shape[1]]
+    for _ in range(k):
+        d_logits = drafter.feed(step_ids, step_mask)[:, :vocab]
+        q = _probs(d_logits, temperature) if do_sample else d_logits
+        token = choose(q)
+        drafts.append(token)
+        draft_probs.append(q)
+        step_ids = token[:, None]
+        step_mask = torch.cat([step_mask, step_mask.new_ones(batch, 1)], dim=1)
+    return torch.stack(drafts, dim=1), draft_probs

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from oasis_hf.speculative import speculative_generate
+from oasis_hf.speculative import prompt_lookup_drafts, speculative_generate
 from tests._factories import VOCAB, oasis_cache, tiny_model
 from tests.test_generate import left_padded
 
@@ -38,6 +38,39 @@ def test_greedy_equals_target_greedy(target, lengths, draft_kind):
         assert stats.rounds <= -(-NEW // 5) + 1  # k + 1 tokens per round
     else:
         assert stats.acceptance < 0.5
+
+
+def test_prompt_lookup_drafts_follow_the_earliest_match_of_the_longest_ngram():
+    seq = torch.tensor([[9, 5, 6, 7, 8, 5, 6],  # tail (5, 6) seen at 1: 7 8 5 follow
+                        [1, 2, 9, 1, 2, 8, 1],  # (2, 1) unseen; (1,) first at 0: 2 9 1 follow
+                        [0, 0, 4, 1, 2, 3, 0],  # (3, 0) and (0,) only in the left padding: no match
+                        [4, 4, 7, 3, 7, 3, 7]])  # (3, 7) first at 3: 7, then the sequence ends (last token pads)
+    mask = torch.ones_like(seq)
+    mask[2, :2] = 0
+    expected = torch.tensor([[7, 8, 5], [2, 9, 1], [0, 0, 0], [3, 7, 7]])
+    assert torch.equal(prompt_lookup_drafts(seq, mask, 3), expected)
+    assert torch.equal(prompt_lookup_drafts(seq[:1], mask[:1], 2, max_ngram=1), torch.tensor([[7, 8]]))  # (6,) at 2
+
+
+@pytest.mark.parametrize("lengths", [[120], [120, 77, 101, 90]], ids=["batch1", "batch4-leftpad"])
+def test_prompt_lookup_drafts_stay_exact_at_any_batch(target, lengths):
+    """Prompt lookup (no draft model) for the whole batch: greedy output equals the target's greedy output; prompts
+    that repeat a phrase give the lookup something to find."""
+    ids, mask = left_padded(lengths, seed=11)
+    phrase = ids[:, -12:]
+    ids = torch.cat([ids[:, 24:], phrase, phrase], dim=1)
+    mask = torch.cat([mask[:, 24:], torch.ones_like(phrase), torch.ones_like(phrase)], dim=1)
+    ref = greedy_reference(tiny_model("llama", layers=2), ids, mask)
+    out = speculative_generate(target, None, ids, mask, cache=oasis_cache(target), max_new_tokens=NEW,
+                               num_draft_tokens=3)
+    assert torch.equal(out.sequences, ref)
+    assert out.stats.rounds > 0 and out.stats.drafted > 0
+    gen = torch.Generator().manual_seed(0)
+    sampled = speculative_generate(target, None, ids, mask, cache=oasis_cache(target), max_new_tokens=NEW,
+                                   num_draft_tokens=3, do_sample=True, generator=gen)
+    assert sampled.sequences.shape == ref.shape and torch.equal(sampled.sequences[:, : ids.shape[1]], ids)
+    with pytest.raises(ValueError, match="prompt_lookup_max_ngram"):
+        speculative_generate(target, None, ids, mask, prompt_lookup_max_ngram=0)
 
 
 def test_small_budget_rounds_keep_the_table_within_budget(target):
