@@ -48,7 +48,9 @@ PRESETS = {
                                        ("lookahead", dict(prefetch_policy="stale"), "stale policy"),
                                        ("lookahead", dict(fetch_programs=None), "gather on every SM (uncapped)"),
                                        ("lookahead", dict(prefetch_launch="thread"),
-                                        "jobs via the worker thread")],
+                                        "jobs via the worker thread"),
+                                       ("lookahead", dict(whole_step=True), "whole-step CUDA graph"),
+                                       ("static", dict(whole_step=True), "whole-step CUDA graph")],
                                 floor_context=None, offload=True, warmup=3, repeats=20),
     # Performance issue: one long sequence, where dense reads 16 GiB of KV per step and OasisKV 256 MiB.
     "b1-128k": dict(shape=LLAMA_8B, batch=1, context=130560, host_capacity=131072, budget=2048,
@@ -59,8 +61,9 @@ PRESETS = {
                                     selectors=["current-query", "lookahead", "static"], extra=[], floor_context=None,
                                     offload=False, warmup=3, repeats=20),
     "smoke": dict(shape=TINY, batch=2, context=1000, host_capacity=None, budget=256,
-                  selectors=["current-query", "lookahead", "static"], extra=[], floor_context=None, offload=False,
-                  warmup=1, repeats=5),
+                  selectors=["current-query", "lookahead", "static"],
+                  extra=[("lookahead", dict(whole_step=True), "whole-step CUDA graph")], floor_context=None,
+                  offload=False, warmup=1, repeats=5),
 }
 
 
@@ -72,7 +75,8 @@ def build_model(shape: dict, device: str, dtype: torch.dtype) -> LlamaForCausalL
 
 
 @torch.inference_mode()
-def run_method(model, name: str, make_cache, input_ids, warmup: int, repeats: int, profile_dir=None) -> dict:
+def run_method(model, name: str, make_cache, input_ids, warmup: int, repeats: int, profile_dir=None,
+               whole_step: bool = False) -> dict:
     device = input_ids.device
     gc.collect()
     if device.type == "cuda":
@@ -90,10 +94,15 @@ def run_method(model, name: str, make_cache, input_ids, warmup: int, repeats: in
     # dense; for OasisKV each layer's K/V is written to host as the layer finishes, so only the pool stays).
     prefill_peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if device.type == "cuda" else None
     token = out.logits[:, -1:].argmax(-1)
+    runner = oasis_hf.DecodeGraph(model, cache) if whole_step else None
 
     def step():
         nonlocal token
-        logits = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        if runner is not None:  # the whole forward as one CUDA graph replay (no padding: positions = length)
+            position = torch.full_like(token, cache.get_seq_length())
+            logits = runner(token, position)
+        else:
+            logits = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
         token = logits[:, -1:].argmax(-1)
 
     enqueue: list[float] = []
@@ -235,12 +244,14 @@ def main() -> None:
     if args.only is not None:
         variants = [v for i, v in enumerate(variants) if i in args.only]
     for selector, overrides, note in variants:
+        overrides = dict(overrides)
+        whole_step = overrides.pop("whole_step", False)  # decode with oasis_hf.DecodeGraph, not model(...)
         cfg = oasis_hf.OasisConfig(budget_tokens=preset["budget"], selector=selector,
                                    host_capacity_tokens=preset["host_capacity"], **overrides)
         label = f"OasisKV {selector} @{preset['budget']}" + (f" ({note})" if note else "")
         logger.info("%s ...", label)
         rows.append(run_method(model, label, lambda cfg=cfg: oasis_hf.OasisCache(model.config, cfg), input_ids,
-                               preset["warmup"], preset["repeats"], args.profile))
+                               preset["warmup"], preset["repeats"], args.profile, whole_step))
     dense_ms = rows[0]["ms/step (median)"]
     dense_kv = rows[0]["GPU KV MiB/seq"]
     static = next((r for r in rows if r["method"].startswith("OasisKV static")), None)

@@ -28,6 +28,7 @@ import torch
 from transformers import DynamicCache
 
 from oasis_hf import _compat
+from oasis_hf.decode_graph import DecodeGraph
 from oasis_hf.draft import make_draft, positions
 from oasis_hf.errors import UnsupportedError
 
@@ -113,6 +114,7 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     draft_cuda_graphs: bool = True,
     prompt_lookup_max_ngram: int = 2,
+    target_graphs: bool = False,
 ) -> SpeculativeOutput:
     """Generate with a draft model for any batch size; greedy output equals the target's own greedy output.
 
@@ -130,6 +132,9 @@ def speculative_generate(
     draft_cuda_graphs : on CUDA, run each draft token as one CUDA graph replay over fixed-size draft K/V
         (`oasis_hf.draft.GraphedDraft`; needs a full-attention SDPA draft and no `draft_cache`): a small draft's
         eager forward costs about as much as the target's, which would cancel the gain of drafting.
+    target_graphs : run the target's verify forwards as whole-model CUDA graphs (`oasis_hf.DecodeGraph`; needs an
+        `OasisCache` whose every layer it manages): the host then issues one launch per round instead of the
+        model's eager Python and kernels. Off by default until measured on a GPU.
 
     Returns
     -------
@@ -153,6 +158,9 @@ def speculative_generate(
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
     cache = cache if cache is not None else DynamicCache(config=model.config)
     max_len = input_ids.shape[1] + max_new_tokens + num_draft_tokens + 1
+    runner = None
+    if target_graphs:
+        runner = DecodeGraph(model, cache)
     drafter = None if draft_model is None else make_draft(draft_model, batch, max_len, device, draft_cuda_graphs,
                                                           draft_cache)
     kw_target = _compat.cache_kwarg(model)
@@ -186,7 +194,10 @@ def speculative_generate(
         # Verify: one target forward over [last, d_1 .. d_k].
         verify_ids = torch.cat([last[:, None], draft_ids], dim=1)
         verify_mask = torch.cat([mask, mask.new_ones(batch, k)], dim=1)
-        t_logits = _forward(model, verify_ids, verify_mask, cache, kw_target)[:, :, :vocab]  # (B, k+1, V)
+        if runner is not None:
+            t_logits = runner(verify_ids, positions(verify_mask, k + 1)).float()[:, :, :vocab]
+        else:
+            t_logits = _forward(model, verify_ids, verify_mask, cache, kw_target)[:, :, :vocab]  # (B, k+1, V)
         if do_sample:
             p = _probs(t_logits, temperature)
             q = torch.stack(draft_probs, dim=1)  # (B, k, V)

@@ -17,6 +17,7 @@ real blocks), the recent window (last blocks, new tokens included) and the selec
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -116,6 +117,11 @@ class OasisLayer(CacheLayerMixin):
                 f"got {tuple(key_states.shape[:2])}; use a fresh OasisCache per batch (beam search and batch "
                 "expansion are not supported)"
             )
+        if self.cache._whole_step is not None:  # a whole-model decode step (`oasis_hf.DecodeGraph`): see `_graph_step`
+            self._pending = ("whole-step", self.length, self.length + key_states.shape[2])
+            handle = key_states.view(key_states.shape)
+            setattr(handle, _HANDLE_ATTR, self)
+            return handle, value_states
         cfg = self.config
         start, end = self.length, self.length + key_states.shape[2]
         chunk = False
@@ -230,6 +236,9 @@ class OasisLayer(CacheLayerMixin):
         """Attention of this forward's queries (B, H_q, T, D); returns (B, T, H_q, D)."""
         if self._pending is None:
             raise RuntimeError(f"OasisCache layer {self.layer_idx}: attention ran without a matching update")
+        if self._pending[0] == "whole-step":
+            self._pending = None
+            return self._graph_step(query, key, value, scale)
         start, end, chunk = self._pending
         self._pending = None
         if start == 0:
@@ -313,6 +322,28 @@ class OasisLayer(CacheLayerMixin):
             self._measure_recall(query, scale)
         if self.cache.selector.asynchronous:
             self._submit_job(query_src, start_src, query.shape[2], scale, graphed)
+        return out
+
+    def _graph_step(self, query, key, value, scale: float) -> torch.Tensor:
+        """This layer's part of a whole-model decode step (`oasis_hf.DecodeGraph`), run eagerly or under its capture.
+
+        Device work only, reading the step's first position from the cache's shared 0-d tensor (the Python around
+        it runs once, at capture): the write-back to host, the decode step, and the selection job of an
+        asynchronous selector forked onto the prefetch stream (the graph joins it before it ends, so the next step
+        of this layer sees its table). Host bookkeeping (lengths, statistics) is `DecodeGraph`'s, per replay.
+        """
+        step = self.cache._whole_step
+        start = step.start(self.device)
+        num_tokens = query.shape[2]
+        if self.device.type == "cuda":
+            out = self._decode_step(query, key, value, start, scale, write_back=True)
+        else:  # CPU (never captured): write the rows to host first, as an eager step does
+            self.cache.host.write(self.layer_idx, key, value, int(start))
+            out = self._decode_step(query, key, value, start, scale, write_back=False)
+        if self.cache.selector.asynchronous:
+            stream = step.fork(self.device)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                self._job(query, start, num_tokens, scale)
         return out
 
     def _measure_recall(self, query: torch.Tensor, scale: float) -> None:

@@ -77,6 +77,8 @@ class OasisCache(Cache):
         self._writeback_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._capture_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._prefetchers: dict[torch.device, Prefetcher] = {}
+        self._whole_step = None  # the `oasis_hf.DecodeGraph` whose forward is running (layers take its path)
+        self._epoch = 0  # bumped whenever the tables and host segments are reallocated (graphs of them are stale)
         # No thread outlives the cache: close the workers when the cache is collected (or at interpreter exit).
         self._finalizer = weakref.finalize(self, _close_all, self._prefetchers)
         super().__init__(layers=layers)
@@ -107,6 +109,7 @@ class OasisCache(Cache):
         if -(-num_tokens // self.config.block_size) > self.host.capacity_blocks:
             self.wait()  # growing replaces the block maps that outstanding selection jobs still update
         if self.host.ensure_capacity(num_tokens, reserve_tokens=self.config.host_capacity_tokens or 0):
+            self._epoch += 1
             for layer in self.oasis_layers:
                 layer.grow(self.host.capacity_blocks)
 
@@ -215,6 +218,7 @@ class OasisCache(Cache):
     def reset(self) -> None:
         """Forget every token and free the host store."""
         super().reset()
+        self._epoch += 1
         if self.host is not None:
             self.host.release()
             self.host = None

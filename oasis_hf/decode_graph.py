@@ -1,0 +1,205 @@
+"""`DecodeGraph`: a whole-model decode forward over an `OasisCache` as one CUDA graph per query length ``T``.
+
+With per-layer step graphs (`OasisCache` on CUDA) the attention of a decode step costs a few microseconds of host
+time per layer, but the rest of the model (norms, projections, RoPE, MLP, and transformers' Python around them)
+still launches eagerly: at batch 8 on an 8B model that is about 20 ms of host time per step, more than the GPU work
+of an OasisKV step. `DecodeGraph` captures the whole forward instead: embeddings to logits, every layer's
+write-back, decode step and (for ``lookahead`` / ``previous-query``) selection job forked onto the prefetch stream
+and joined before the graph ends. A replay costs one launch; the host only copies the inputs, fills the step's
+first position into a device scalar and advances the layers' lengths.
+
+It runs our own decode loops (`oasis_hf.speculative_generate(..., target_graphs=True)`, ``eval.bench_decode``),
+not ``model.generate``. Requirements, checked with a clear error: every cache layer is an `OasisLayer` (no sliding
+window layers), one device, a host store the GPU reads directly (pinned, local), the ``wait`` prefetch policy and no
+``measure_recall``. On the CPU (tests) the same per-layer path runs eagerly at every call, never captured.
+
+The first call of a ``T`` (and the first after the host store grew, which reallocates the tables) runs eagerly on
+the capture stream, compiling every kernel variant; the next one captures and replays; later ones replay.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from oasis_hf import _compat
+from oasis_hf.cache.layer import OasisLayer
+from oasis_hf.cache.oasis_cache import OasisCache
+from oasis_hf.cache.pinned import capturing
+from oasis_hf.errors import UnsupportedError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    input_ids: torch.Tensor  # (B, T) static inputs the graph reads
+    position_ids: torch.Tensor
+    logits: torch.Tensor  # (B, T, V) the graph's output buffer
+    epoch: int  # the cache's table epoch it was captured against
+
+
+class DecodeGraph:
+    """Decode forwards of `model` over `cache`, each ``T`` captured once as a CUDA graph.
+
+    Parameters
+    ----------
+    model : a causal LM switched to the ``oasis`` attention (`oasis_hf.enable`).
+    cache : the `OasisCache` the model decodes with; prefill it with an ordinary forward first.
+
+    Call it as ``logits = graph(input_ids, position_ids)`` with ``input_ids`` and ``position_ids`` (B, T): it appends
+    the ``T`` tokens to the cache like ``model(input_ids, position_ids=..., past_key_values=cache)`` and returns the
+    (B, T, V) logits (a fresh tensor). `cache.crop` between calls works as usual (speculative decoding).
+    """
+
+    def __init__(self, model, cache: OasisCache) -> None:
+        if not isinstance(cache, OasisCache):
+            raise UnsupportedError(f"DecodeGraph runs over an OasisCache, got {type(cache).__name__}")
+        others = [type(layer).__name__ for layer in cache.layers if not isinstance(layer, OasisLayer)]
+        if others:
+            raise UnsupportedError(
+                f"DecodeGraph captures models whose every layer is an OasisLayer; this cache also has {others[0]} "
+                "layers (sliding-window attention), which grow by concatenation and cannot be captured; decode "
+                "with model(...) (per-layer step graphs) instead"
+            )
+        cfg = cache.config
+        if cfg.prefetch_policy != "wait":
+            raise UnsupportedError(f"DecodeGraph needs prefetch_policy='wait', not {cfg.prefetch_policy!r}: the "
+                                   "stale policy decides on the host, per step, whether a job finished")
+        if cfg.measure_recall:
+            raise UnsupportedError("DecodeGraph cannot measure recall (it synchronises with the host every layer); "
+                                   "set OasisConfig.measure_recall=False or decode with model(...)")
+        self.model = model
+        self.cache = cache
+        self._kwarg = _compat.cache_kwarg(model)
+        self._graphs: dict[int, _Captured] = {}
+        self._warm: dict[int, int] = {}  # T -> the table epoch its last eager run saw
+        self._starts: dict[torch.device, torch.Tensor] = {}
+        self._forked: dict[torch.device, torch.cuda.Stream] = {}
+        self._pool = None
+        self.replays = 0
+
+    # ------------------------------------------------------------------------------------------ used by layers
+    def start(self, device: torch.device) -> torch.Tensor:
+        """The step's first position as a 0-d long tensor on `device` (filled before every run or replay)."""
+        return self._starts[torch.device(device)]
+
+    def fork(self, device: torch.device) -> torch.cuda.Stream | None:
+        """The prefetch stream of `device`, ordered after the work issued so far on the current stream (None on the
+        CPU); `DecodeGraph` joins it back at the end of the forward."""
+        device = torch.device(device)
+        if device.type != "cuda":
+            return None
+        stream = self.cache._prefetcher(device).stream
+        stream.wait_stream(torch.cuda.current_stream(device))
+        self._forked[device] = stream
+        return stream
+
+    # ------------------------------------------------------------------------------------------ the step
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        cache = self.cache
+        num_tokens = input_ids.shape[1]
+        if input_ids.shape != position_ids.shape:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and position_ids {tuple(position_ids.shape)} differ")
+        start = cache.get_seq_length()
+        if start == 0:
+            raise UnsupportedError("DecodeGraph decodes after a prefill: run the prompt through model(...) first")
+        layers = cache.oasis_layers
+        device = input_ids.device
+        if any(layer.device != device for layer in layers):
+            raise UnsupportedError("DecodeGraph captures one device; this model's layers are on several (decode "
+                                   "with model(...) instead)")
+        if device.type == "cuda" and not cache.host.capturable_fetch:
+            raise UnsupportedError("DecodeGraph needs a host store the GPU reads directly (a pinned local store)")
+        cache.wait()  # jobs of earlier eager steps: finished and ordered before this step
+        cache._reserve(start + num_tokens)  # may grow the store: a new table epoch, captured graphs are stale
+        current = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        for layer in layers:
+            if layer.writeback_event is not None:  # rows an eager step wrote back: landed before this step reads
+                current.wait_event(layer.writeback_event)
+                layer.writeback_event = None
+        scalar = self._starts.get(device)
+        if scalar is None:
+            scalar = self._starts[device] = torch.zeros((), dtype=torch.long, device=device)
+        scalar.fill_(start)
+        epoch = cache._epoch
+        entry = self._graphs.get(num_tokens)
+        graphs = device.type == "cuda" and cache.config.cuda_graphs
+        if graphs and entry is not None and entry.epoch == epoch:
+            logits = self._replay(entry, input_ids, position_ids)
+        elif graphs and self._warm.get(num_tokens) == epoch:
+            entry = self._graphs[num_tokens] = self._capture(input_ids, position_ids, epoch)
+            logits = self._replay(entry, input_ids, position_ids)
+        else:
+            logits = self._eager(input_ids, position_ids, current)
+            self._warm[num_tokens] = epoch
+        for layer in layers:
+            layer.length = start + num_tokens
+        stats = cache.stats
+        stats.decode_layer_steps += len(layers)
+        if cache.selector.asynchronous:
+            stats.prefetch_jobs += len(layers)
+        return logits
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """The model's forward with every OasisLayer on its whole-step path; forked streams joined at the end."""
+        self.cache._whole_step = self
+        try:
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
+                             **{self._kwarg: self.cache}).logits
+        finally:
+            self.cache._whole_step = None
+        for device, stream in self._forked.items():
+            torch.cuda.current_stream(device).wait_stream(stream)
+        self._forked.clear()
+        return out
+
+    def _eager(self, input_ids, position_ids, current) -> torch.Tensor:
+        if current is None:
+            return self._forward(input_ids, position_ids)
+        # On the capture stream, as the capture will run: it creates the library handles and workspaces that stream
+        # needs and compiles every Triton variant, so nothing of the kind happens during the capture.
+        stream = self.cache._capture_stream(input_ids.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            logits = self._forward(input_ids, position_ids)
+        current.wait_stream(stream)
+        logits.record_stream(current)
+        return logits
+
+    def _capture(self, input_ids, position_ids, epoch: int) -> _Captured:
+        device = input_ids.device
+        static_ids, static_pos = input_ids.clone(), position_ids.clone()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        stream = self.cache._capture_stream(device)
+        current = torch.cuda.current_stream(device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            with capturing():
+                try:
+                    logits = self._forward(static_ids, static_pos)
+                except BaseException:
+                    self._forked.clear()
+                    try:  # the capture is invalid: end it quietly and raise the error that broke it
+                        graph.capture_end()
+                    except Exception:  # noqa: BLE001
+                        logger.debug("capture_end after a failed whole-step capture", exc_info=True)
+                    raise
+                graph.capture_end()
+        current.wait_stream(stream)
+        logger.info("DecodeGraph: captured T=%d (%d layers)", input_ids.shape[1], len(self.cache.oasis_layers))
+        return _Captured(graph, static_ids, static_pos, logits, epoch)
+
+    def _replay(self, entry: _Captured, input_ids, position_ids) -> torch.Tensor:
+        entry.input_ids.copy_(input_ids)
+        entry.position_ids.copy_(position_ids)
+        entry.graph.replay()
+        self.replays += 1
+        self.cache.stats.graph_replays += len(self.cache.oasis_layers)
+        return entry.logits.clone()

@@ -1,0 +1,108 @@
+"""`DecodeGraph`: whole-model decode forwards over an OasisCache (captured on CUDA; the same per-layer path runs
+eagerly on the CPU, which is what these tests check against ordinary decoding)."""
+
+import pytest
+import torch
+
+import oasis_hf
+from oasis_hf.decode_graph import DecodeGraph
+from oasis_hf.draft import positions
+from oasis_hf.errors import UnsupportedError
+from oasis_hf.speculative import speculative_generate
+from tests._factories import oasis_cache, tiny_model
+from tests.test_generate import left_padded
+
+SMALL = dict(budget_tokens=128, max_fetch_blocks=2)  # 8 slots of 16 per (sequence, head): real eviction and fetches
+
+
+def _decode(model, cache, ids, mask, steps: int, graph: bool, device="cpu") -> torch.Tensor:
+    """Greedy tokens (B, steps + 1): a prefill forward, then `steps` one-token forwards (through a DecodeGraph or
+    plain ``model(...)``)."""
+    kwarg = oasis_hf._compat.cache_kwarg(model)
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{kwarg: cache})
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        runner = DecodeGraph(model, cache) if graph else None
+        tokens = [token]
+        for _ in range(steps):
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            pos = positions(mask, 1)
+            if runner is not None:
+                logits = runner(token, pos)
+            else:
+                logits = model(input_ids=token, attention_mask=mask, position_ids=pos, use_cache=True,
+                               **{kwarg: cache}).logits
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(token)
+    return torch.cat(tokens, dim=1)
+
+
+@pytest.mark.parametrize("selector", ["lookahead", "current-query", "static"])
+def test_whole_step_path_equals_ordinary_decoding(selector):
+    """Below-context budget, left padding, a store that grows while decoding: the whole-step path (the per-layer
+    part a DecodeGraph captures) picks, fetches and attends exactly as ordinary decoding does."""
+    model = tiny_model("llama", attn="oasis")
+    ids, mask = left_padded([200, 170], seed=3)
+    fields = dict(SMALL, selector=selector, host_growth_tokens=16)
+    with oasis_cache(model, **fields) as cache:
+        ref = _decode(model, cache, ids, mask, 20, graph=False)
+        ref_fetched = cache.stats.summary()["fetched_blocks"]
+    with oasis_cache(model, **fields) as cache:
+        out = _decode(model, cache, ids, mask, 20, graph=True)
+        stats = cache.stats.summary()
+        for layer in cache.oasis_layers:
+            layer.table.check()
+            assert layer.length == 200 + 20
+        assert cache.host.capacity_blocks > 13, "the store should have grown while decoding"
+    assert torch.equal(out, ref)
+    assert stats["fetched_blocks"] == ref_fetched
+    assert stats["decode_layer_steps"] == 20 * 2
+
+
+def test_speculative_rounds_through_decode_graph_equal_the_plain_loop():
+    """Verify forwards of T = k + 1 through a DecodeGraph, cropped after each round: the same tokens as the plain
+    loop with inline jobs (budget below the context, lookahead jobs in every layer). Inline, because with the worker
+    thread a job still queued at the crop is narrowed to the accepted queries, which depends on timing; a whole-step
+    job runs inside the forward and scores with all of them, as an inline one does."""
+    target = tiny_model("llama", layers=2, attn="oasis")
+    ids, mask = left_padded([200, 150, 180], seed=4)
+    outs = []
+    for graphs in (False, True):
+        cache = oasis_cache(target, selector="lookahead", prefetch=graphs, **SMALL)
+        outs.append(speculative_generate(target, tiny_model("qwen2", layers=1), ids, mask, cache=cache,
+                                         max_new_tokens=24, num_draft_tokens=3, target_graphs=graphs).sequences)
+        cache.close()
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_decode_graph_refuses_what_it_cannot_capture():
+    gemma = tiny_model("gemma3", attn="oasis")
+    with pytest.raises(UnsupportedError, match="sliding-window"):
+        DecodeGraph(gemma, oasis_cache(gemma))
+    model = tiny_model("llama", attn="oasis")
+    with pytest.raises(UnsupportedError, match="prefetch_policy"):
+        DecodeGraph(model, oasis_cache(model, selector="lookahead", prefetch_policy="stale"))
+    with pytest.raises(UnsupportedError, match="measure_recall"):
+        DecodeGraph(model, oasis_cache(model, measure_recall=True))
+    with pytest.raises(UnsupportedError, match="OasisCache"):
+        DecodeGraph(model, None)
+    runner = DecodeGraph(model, oasis_cache(model))
+    with pytest.raises(UnsupportedError, match="prefill"):
+        runner(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("selector", ["lookahead", "current-query"])
+def test_decode_graph_replays_on_cuda_and_stays_exact(selector):
+    """On CUDA the third call of a T is a replay of the whole forward: tokens equal ordinary decoding (bf16, budget
+    below the context, a store that grows while decoding, so graphs are recaptured at the new table size)."""
+    model = tiny_model("llama", attn="oasis", device="cuda", dtype=torch.bfloat16)
+    ids, mask = left_padded([300, 260], seed=5)
+    ids, mask = ids.cuda(), mask.cuda()
+    fields = dict(SMALL, selector=selector, host_growth_tokens=64)
+    with oasis_cache(model, **fields) as cache:
+        ref = _decode(model, cache, ids, mask, 40, graph=False)
+    with oasis_cache(model, **fields) as cache:
+        out = _decode(model, cache, ids, mask, 40, graph=True)
+        assert cache.stats.summary()["graph_replays"] > 0
+    assert torch.equal(out, ref)
