@@ -12,7 +12,8 @@ sequence, `oasis_hf.cli.passkey_prompt` with a seed per sequence):
 - ``HF assisted, DynamicCache`` (batch 1 only: transformers refuses larger batches);
 - ``speculative_generate, DynamicCache`` and ``speculative_generate, OasisCache lookahead``: our loop
   (`oasis_hf.speculative_generate`), whose greedy output equals the target's greedy output; its draft steps are
-  CUDA graph replays (`oasis_hf.draft.GraphedDraft`), and one more row runs them eagerly to show what that buys.
+  CUDA graph replays (`oasis_hf.draft.GraphedDraft`), one more row runs them eagerly to show what that buys, and
+  one runs the target's verify forwards as whole-model graphs too (`oasis_hf.DecodeGraph`, ``target_graphs``).
 
 Reported per row: seconds (prefill included), new tokens/s over the batch, the ratio to greedy DynamicCache at the
 same batch, draft acceptance, whether the output equals greedy DynamicCache's, and how many pass keys came out.
@@ -101,7 +102,8 @@ def main() -> None:
             out = oasis_hf.speculative_generate(model, draft, inputs["input_ids"], inputs["attention_mask"],
                                                 cache=cache, max_new_tokens=gen["max_new_tokens"],
                                                 num_draft_tokens=args.drafts, pad_token_id=pad,
-                                                draft_cuda_graphs=kind != "speculative-eager-draft")
+                                                draft_cuda_graphs=kind != "speculative-eager-draft",
+                                                target_graphs=kind == "speculative-target-graphs")
             return out.sequences, out.stats
         extra = {"assistant_model": draft} if kind == "assisted" else {}
         cache = cache if cache is not None else DynamicCache(config=model.config)
@@ -113,7 +115,8 @@ def main() -> None:
     gen = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=pad)
     with torch.inference_mode():
         generate("greedy", None)
-        for kind, selector in (("greedy", "current-query"), ("speculative", "lookahead")):
+        for kind, selector in (("greedy", "current-query"), ("speculative", "lookahead"),
+                               ("speculative-target-graphs", "lookahead")):
             with oasis_hf.OasisCache(model.config, cfg(selector)) as cache:
                 generate(kind, cache)
     rows = []
@@ -126,6 +129,8 @@ def main() -> None:
             variants.append(("HF assisted (draft), DynamicCache", "assisted", None))
         variants += [("speculative_generate, DynamicCache", "speculative", None),
                      (f"speculative_generate, OasisCache lookahead @{args.budget}", "speculative", "lookahead"),
+                     (f"speculative_generate, OasisCache lookahead @{args.budget}, whole-step target graphs",
+                      "speculative-target-graphs", "lookahead"),
                      (f"speculative_generate, OasisCache lookahead @{args.budget}, draft eager (no CUDA graph)",
                       "speculative-eager-draft", "lookahead")]
         batch_rows = []
