@@ -112,8 +112,9 @@ class DecodeGraph:
         if any(layer.device != device for layer in layers):
             raise UnsupportedError("DecodeGraph captures one device; this model's layers are on several (decode "
                                    "with model(...) instead)")
-        if device.type == "cuda" and not cache.host.capturable_fetch:
-            raise UnsupportedError("DecodeGraph needs a host store the GPU reads directly (a pinned local store)")
+        if not cache.host.capturable_fetch:  # a remote store tracks progress and pulls blocks from the host
+            raise UnsupportedError("DecodeGraph needs the local host store (its fetch is device work only); a "
+                                   "remote tier's store runs host work per step: decode with model(...) instead")
         cache.wait()  # jobs of earlier eager steps: finished and ordered before this step
         cache._reserve(start + num_tokens)  # may grow the store: a new table epoch, captured graphs are stale
         current = torch.cuda.current_stream(device) if device.type == "cuda" else None
