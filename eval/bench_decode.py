@@ -54,8 +54,10 @@ PRESETS = {
                                 floor_context=None, offload=True, warmup=3, repeats=20),
     # Performance issue: one long sequence, where dense reads 16 GiB of KV per step and OasisKV 256 MiB.
     "b1-128k": dict(shape=LLAMA_8B, batch=1, context=130560, host_capacity=131072, budget=2048,
-                    selectors=["current-query", "static"], extra=[], floor_context=None, offload=False, warmup=3,
-                    repeats=20),
+                    selectors=["current-query", "static"],
+                    extra=[("current-query", dict(whole_step=True), "whole-step CUDA graph"),
+                           ("lookahead", dict(whole_step=True), "whole-step CUDA graph")],
+                    floor_context=None, offload=False, warmup=3, repeats=20),
     # The performance issue's second shape: GQA 7:1 (4 KV heads, so half the 8B's KV per token), same batch/context.
     "lookahead-qwen7b-b8-32k": dict(shape=QWEN_7B, batch=8, context=32512, host_capacity=32768, budget=2048,
                                     selectors=["current-query", "lookahead", "static"], extra=[], floor_context=None,
