@@ -37,11 +37,12 @@ def _decode(model, cache, ids, mask, steps: int, graph: bool, device="cpu") -> t
     return torch.cat(tokens, dim=1)
 
 
-@pytest.mark.parametrize("selector", ["lookahead", "current-query", "static"])
-def test_whole_step_path_equals_ordinary_decoding(selector):
+@pytest.mark.parametrize(("family", "selector"), [("llama", "lookahead"), ("llama", "current-query"),
+                                                 ("llama", "static"), ("qwen2", "lookahead"), ("qwen3", "lookahead")])
+def test_whole_step_path_equals_ordinary_decoding(family, selector):
     """Below-context budget, left padding, a store that grows while decoding: the whole-step path (the per-layer
     part a DecodeGraph captures) picks, fetches and attends exactly as ordinary decoding does."""
-    model = tiny_model("llama", attn="oasis")
+    model = tiny_model(family, attn="oasis")
     ids, mask = left_padded([200, 170], seed=3)
     fields = dict(SMALL, selector=selector, host_growth_tokens=16)
     with oasis_cache(model, **fields) as cache:
