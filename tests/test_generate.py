@@ -280,3 +280,28 @@ def test_generate_with_hf_prefill_chunking_equals_one_prefill():
     chunked = generate(model, ids, mask, oasis_cache(model, budget_tokens=128, max_fetch_blocks=2),
                        prefill_chunk_size=100)
     assert torch.equal(chunked, one)
+
+
+def test_attention_takes_dropout_by_position_like_transformers():
+    """Wrappers that call attention functions positionally (kvpress patches every registered one this way when it is
+    imported) pass ``dropout`` sixth, as in transformers' own signature: with OasisCache layers behind them,
+    generation still equals dense."""
+    import inspect
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    ours = list(inspect.signature(oasis_hf.oasis_attention).parameters)[:7]
+    assert ours == list(inspect.signature(sdpa_attention_forward).parameters)[:7]
+
+    def positional(module, query, key, value, attention_mask, dropout, **kwargs):  # kvpress's wrapper shape
+        return oasis_hf.oasis_attention(module, query, key, value, attention_mask, dropout, **kwargs)
+
+    AttentionInterface.register("oasis_positional", positional)
+    AttentionMaskInterface.register("oasis_positional", oasis_hf._compat.flash_attention_mask)
+    ids, mask = left_padded([60, 45])
+    ref = generate(tiny_model("llama"), ids, mask, DynamicCache(config=tiny_model("llama").config))
+    model = tiny_model("llama")
+    model.set_attn_implementation("oasis_positional")
+    assert torch.equal(generate(model, ids, mask, oasis_cache(model)), ref)

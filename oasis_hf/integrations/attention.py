@@ -26,11 +26,16 @@ def oasis_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
     dropout: float = 0.0,
+    scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Attention for transformers models: `query` (B, H_q, T, D) -> output (B, T, H_q, D), no weights."""
+    """Attention for transformers models: `query` (B, H_q, T, D) -> output (B, T, H_q, D), no weights.
+
+    The parameter order is transformers' own (``sdpa_attention_forward``: mask, then ``dropout``, then
+    ``scaling``): wrappers that pass ``dropout`` by position, such as the one kvpress installs around every
+    registered attention function when it is imported, must land it in ``dropout``.
+    """
     if kwargs.get("softcap") is not None:
         raise UnsupportedError("oasis attention does not implement logit soft-capping (Gemma2-style 'softcap')")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
