@@ -91,7 +91,7 @@ def test_kvpress_baseline_is_refused_with_the_reason(tok):
         from transformers.models.llama.modeling_llama import LlamaAttention
 
         if "past_key_values" in inspect.signature(LlamaAttention.forward).parameters:
-            pytest.skip("kvpress can hook this transformers: the press rows run (eval.accuracy)")
+            pytest.skip("kvpress can hook this transformers: test_kvpress_presses_compress_the_prompt runs them")
         expected = "reads `past_key_values`"
     with pytest.raises(UnsupportedError, match=expected):
         OasisLM(pretrained=tiny_model("llama"), tokenizer=tok, budget=128, device="cpu", press="SnapKVPress")
@@ -118,3 +118,39 @@ def test_lm_eval_draft_model_runs_batched_and_matches_dense(tok):
                      batch_size=3, max_length=1024, **fields)
         texts[name] = lm.generate_until(requests, disable_tqdm=True)
     assert texts["draft"] == texts["prompt lookup"] == texts["dense"] and all(texts["dense"])
+
+
+@pytest.mark.parametrize("press", ["SnapKVPress", "ExpectedAttentionPress"])
+def test_kvpress_presses_compress_the_prompt(tok, press):
+    """Where kvpress can hook this transformers (5.17, the GPU box's): the press really compresses each layer's prompt
+    KV to `budget` tokens (kvpress 0.5.5 reads a ``cache_position`` that transformers 5.x no longer passes, which
+    OasisLM supplies while the press is active), and generation runs."""
+    pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra; `pip install -e .[dev]`")
+    pytest.importorskip("kvpress", reason="kvpress is not installed (the press rows of eval.accuracy need it)")
+    import inspect
+
+    from lm_eval.api.instance import Instance
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    from oasis_hf.integrations.lm_eval import OasisLM
+
+    if "past_key_values" not in inspect.signature(LlamaAttention.forward).parameters:
+        pytest.skip("kvpress 0.5.5 cannot hook this transformers (5.18+): the refusal test covers it")
+    gen = {"until": [], "max_gen_toks": 6, "do_sample": False}
+    prompts = [" ".join(f"word{(i * 7 + j) % 90}" for j in range(n)) for i, n in enumerate((300, 280))]
+    requests = [Instance(request_type="generate_until", doc={}, arguments=(p, dict(gen)), idx=i)
+                for i, p in enumerate(prompts)]
+    lm = OasisLM(pretrained=tiny_model("llama"), tokenizer=tok, budget=128, block_size=16, device="cpu",
+                 batch_size=1, max_length=1024, press=press)
+    kept = []
+    compress = lm.press.compress
+
+    def spy(module, hidden_states, keys, values, attentions, kwargs):
+        out = compress(module, hidden_states, keys, values, attentions, kwargs)
+        kept.append((keys.shape[2], out[0].shape[2]))
+        return out
+
+    lm.press.compress = spy
+    texts = lm.generate_until(requests, disable_tqdm=True)
+    assert all(texts)
+    assert kept and all(n_in > 128 and n_out == 128 for n_in, n_out in kept), kept

@@ -22,6 +22,7 @@ forwards without a cache and run dense attention.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import sys
@@ -80,8 +81,9 @@ class OasisLM(HFLM):
             if context.shape[0] != 1:
                 raise UnsupportedError("kvpress baselines compress one prompt at a time: run with --batch_size 1")
             # The same KV size as OasisKV at this budget: keep `budget` of the prompt's tokens per layer and head.
-            self.press.compression_ratio = max(0.0, 1.0 - self.budget / context.shape[1])
-            with self.press(self.model):
+            # kvpress keeps int(n * (1 - ratio)) tokens: aim half a token above the budget so rounding lands on it.
+            self.press.compression_ratio = max(0.0, 1.0 - (self.budget + 0.5) / context.shape[1])
+            with self.press(self.model), _cache_positions(self.model):
                 return super()._model_generate(context, max_length, stop, **generation_kwargs)
         if self.dense:
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
@@ -109,6 +111,29 @@ class OasisLM(HFLM):
                 pad_token_id=self.tokenizer.pad_token_id,
             )  # fmt: skip
         return out.sequences
+
+
+@contextlib.contextmanager
+def _cache_positions(model):
+    """While a kvpress press is active: give every attention module the ``cache_position`` keyword (the positions of
+    this forward's tokens in its cache) that kvpress 0.5.5's hooks read to tell prefill from decoding, and that
+    transformers 5.x no longer passes. Forward pre-hooks on the attention modules, removed on exit."""
+
+    def add_positions(module, args, kwargs):
+        if "cache_position" not in kwargs:
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            cache = kwargs.get("past_key_values")
+            past = cache.get_seq_length(module.layer_idx) if cache is not None else 0
+            kwargs["cache_position"] = torch.arange(past, past + hidden.shape[1], device=hidden.device)
+        return args, kwargs
+
+    handles = [module.register_forward_pre_hook(add_positions, with_kwargs=True)
+               for name, module in model.named_modules() if name.endswith("self_attn")]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _make_press(name: str, model):
