@@ -252,13 +252,19 @@ def main() -> None:
                                    host_capacity_tokens=preset["host_capacity"], **overrides)
         label = f"OasisKV {selector} @{preset['budget']}" + (f" ({note})" if note else "")
         logger.info("%s ...", label)
-        rows.append(run_method(model, label, lambda cfg=cfg: oasis_hf.OasisCache(model.config, cfg), input_ids,
-                               preset["warmup"], preset["repeats"], args.profile, whole_step))
+        try:
+            rows.append(run_method(model, label, lambda cfg=cfg: oasis_hf.OasisCache(model.config, cfg), input_ids,
+                                   preset["warmup"], preset["repeats"], args.profile, whole_step))
+        except Exception as exc:  # noqa: BLE001 - recorded in the table: one failing method must not lose the others
+            logger.exception("%s failed", label)
+            rows.append({"method": label, "error": f"{type(exc).__name__}: {exc}"[:200]})
     dense_ms = rows[0]["ms/step (median)"]
     dense_kv = rows[0]["GPU KV MiB/seq"]
     static = next((r for r in rows if r["method"].startswith("OasisKV static")), None)
     offload = next((r for r in rows if "offloading" in r["method"]), None)
     for row in rows:
+        if "error" in row:
+            continue
         row["step vs dense"] = row["ms/step (median)"] / dense_ms
         row["GPU KV vs dense"] = row["GPU KV MiB/seq"] / dense_kv
         if static is not None:  # the same step with nothing moving
@@ -270,7 +276,7 @@ def main() -> None:
                "host MiB/seq", "fetched blocks/layer-step", "PCIe MB/step", "gather GB/s", "prefetch late jobs",
                "stale layer-steps", "prefetch stall ms/step", "job queue wait us", "job host us",
                "graph replay host us", "graph replay GPU us",
-               "prefill s", "prefill peak GiB"]
+               "prefill s", "prefill peak GiB", "error"]
     columns = [c for c in columns if any(c in row for row in rows)]
     env = environment()
     header = (f"Test configuration: {env.get('gpu', 'cpu')}, torch {env['torch']}, transformers "

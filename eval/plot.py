@@ -31,7 +31,7 @@ def plot_decode(payload: dict, path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    rows = payload["rows"]
+    rows = [r for r in payload["rows"] if "error" not in r]  # a failed method is in the table, not the figure
     names = [r["method"].replace(" (sdpa)", "").replace("DynamicCache", "DC") for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.55 * len(rows) + 2.2), sharey=True)
     ms = [r["ms/step (median)"] for r in rows]
