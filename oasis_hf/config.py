@@ -72,9 +72,10 @@ class OasisConfig:
         available memory (and the headroom): use it to cap a cache, or on machines whose memory grows on demand
         (ballooned VMs report too little available memory up front). ``None`` (default) asks the OS.
     prefetch : bool
-        Run the selection jobs of asynchronous selectors (``lookahead``, ``previous-query``) on a background worker
-        thread and CUDA stream. The next step of a layer waits for its job, so the output is the same with
-        ``False``, which runs each job inline right after the step. Default True.
+        Run the selection jobs of asynchronous selectors (``lookahead``, ``previous-query``) beside the decode
+        step: on the prefetch CUDA stream (see `prefetch_launch`), or in the worker thread on the CPU. The next step
+        of a layer waits for its job, so the output is the same with ``False``, which runs each job inline right
+        after the step. Default True.
     prefetch_launch : str
         How a background job reaches its CUDA stream: ``"caller"`` (default) launches a job captured as a CUDA graph
         from the calling thread straight onto the prefetch stream (one graph launch, no thread hand-off; eager jobs,
