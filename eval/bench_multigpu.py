@@ -133,7 +133,9 @@ def release_memory() -> None:
 
 
 @torch.inference_mode()
-def run_method(model, label: str, make_cache, batch: int, context: int, dtype, warmup: int, repeats: int) -> dict:
+def run_method(model, label: str, make_cache, batch: int, context: int, dtype, warmup: int, repeats: int,
+               whole_step: bool = False) -> dict:
+    """Time decode steps after filling the KV; `whole_step`: through `oasis_hf.DecodeGraph` (one device)."""
     release_memory()
     cache = make_cache()
     t0 = time.perf_counter()
@@ -142,10 +144,14 @@ def run_method(model, label: str, make_cache, batch: int, context: int, dtype, w
     logger.info("  KV filled in %.1f s; timing %d + %d steps", fill_s, warmup, repeats)
     first = layer_devices(model)[0]
     token = torch.randint(0, model.config.vocab_size, (batch, 1), device=first)
+    runner = oasis_hf.DecodeGraph(model, cache) if whole_step else None
 
     def step():
         nonlocal token
-        logits = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        if runner is not None:  # the whole forward as one CUDA graph replay (no padding: positions = length)
+            logits = runner(token, torch.full_like(token, cache.get_seq_length()))
+        else:
+            logits = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
         token = logits[:, -1:].argmax(-1).to(first)
 
     enqueue: list[float] = []

@@ -47,6 +47,8 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[2048])
     parser.add_argument("--selectors", nargs="+", default=["current-query", "lookahead", "static"])
     parser.add_argument("--host-gib", type=float, required=True, help="pinned host memory OasisKV may use")
+    parser.add_argument("--whole-step", action="store_true",
+                        help="also time each OasisKV selector with the whole forward as one CUDA graph (DecodeGraph)")
     parser.add_argument("--margin-gib", type=float, default=6.0, help="GPU memory kept free for activations")
     args = parse_gpu_args(parser)
     model, shape, dtype, devices = split_model_for(args.shape)
@@ -69,9 +71,10 @@ def main() -> None:
             rows.append(dense)
             report(args, shape, dtype, rows)
             host_need = per_token * capacity * batch
+            variants = [(s, False) for s in args.selectors] + [(s, True) for s in args.selectors if args.whole_step]
             for budget in args.budgets:
-                for selector in args.selectors:
-                    label = f"OasisKV {selector}"
+                for selector, whole_step in variants:
+                    label = f"OasisKV {selector}" + (" (whole-step CUDA graph)" if whole_step else "")
                     if host_need > args.host_gib * GIB:
                         rows.append(dict(point, method=label, budget=budget,
                                          skipped=f"host store needs {host_need / GIB:.0f} GiB > --host-gib"))
@@ -79,8 +82,13 @@ def main() -> None:
                     cfg = oasis_hf.OasisConfig(budget_tokens=budget, selector=selector, host_capacity_tokens=capacity,
                                                host_memory_limit_bytes=int(args.host_gib * GIB))
                     model.set_attn_implementation("oasis")
-                    row = run_method(model, label, lambda cfg=cfg: oasis_hf.OasisCache(model.config, cfg), batch,
-                                     context, dtype, args.warmup, args.repeats)
+                    try:
+                        row = run_method(model, label, lambda cfg=cfg: oasis_hf.OasisCache(model.config, cfg), batch,
+                                         context, dtype, args.warmup, args.repeats, whole_step)
+                    except Exception as exc:  # noqa: BLE001 - recorded: one failing method must not lose the sweep
+                        logger.exception("%s failed", label)
+                        rows.append(dict(point, method=label, budget=budget, skipped=f"error: {exc!r}"[:200]))
+                        continue
                     row["budget"] = budget
                     if "tokens/s" in dense:
                         row["tokens/s vs dense"] = row["tokens/s"] / dense["tokens/s"]
