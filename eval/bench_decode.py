@@ -60,8 +60,10 @@ PRESETS = {
                     floor_context=None, offload=False, warmup=3, repeats=20),
     # The performance issue's second shape: GQA 7:1 (4 KV heads, so half the 8B's KV per token), same batch/context.
     "lookahead-qwen7b-b8-32k": dict(shape=QWEN_7B, batch=8, context=32512, host_capacity=32768, budget=2048,
-                                    selectors=["current-query", "lookahead", "static"], extra=[], floor_context=None,
-                                    offload=False, warmup=3, repeats=20),
+                                    selectors=["current-query", "lookahead", "static"],
+                                    extra=[("lookahead", dict(whole_step=True), "whole-step CUDA graph"),
+                                           ("static", dict(whole_step=True), "whole-step CUDA graph")],
+                                    floor_context=None, offload=False, warmup=3, repeats=20),
     "smoke": dict(shape=TINY, batch=2, context=1000, host_capacity=None, budget=256,
                   selectors=["current-query", "lookahead", "static"],
                   extra=[("lookahead", dict(whole_step=True), "whole-step CUDA graph")], floor_context=None,

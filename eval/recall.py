@@ -4,11 +4,16 @@
     python -m eval.recall --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --context 16000 \
         --budgets 2048 --trials 3 --out eval/results/recall_qwen_16k          # the lookahead issue's measurement
 
-For each budget and selector, one greedy generation of the same pass-key prompt (varied filler, `oasis_hf.cli
-.passkey_prompt`) with `OasisConfig(measure_recall=True)`: after every decode step of every layer the step's exact
-attention (all keys read back from host memory) is compared with what was resident. Reports the attention mass on
-resident blocks, the recall of the exact top-S blocks, and whether the pass key came out. ``lookahead`` runs with
-prompt-lookup drafts (so its selection uses draft-position queries) and without (previous query).
+For each budget, decoding loop and selector, one greedy generation of the same pass-key prompts (varied filler,
+`oasis_hf.cli.passkey_prompt`) with `OasisConfig(measure_recall=True)`: after every decode step of every layer the
+step's exact attention (all keys read back from host memory) is compared with what was resident. Reports the
+attention mass on resident blocks, the recall of the exact top-S blocks (over all of the forward's queries), and
+whether the pass key came out.
+
+Selectors are compared within a decoding loop (`LOOPS`): plain greedy decoding (one query per forward, where
+``lookahead`` has no drafts and equals ``previous-query``), HF prompt lookup, and `oasis_hf.speculative_generate`
+with a draft model (``--draft``). Under the last two, ``lookahead`` scores the next step's blocks with every
+verify query (the drafts' included), ``previous-query`` with the first one only.
 """
 
 from __future__ import annotations
@@ -27,16 +32,20 @@ from oasis_hf.cli import _run, passkey_prompt
 
 logger = logging.getLogger("eval.recall")
 
-METHODS = [  # (label, selector, prompt-lookup drafts, other OasisConfig fields)
-    ("static (StreamingLLM)", "static", 0, {}),
-    ("current-query (synchronous)", "current-query", 0, {}),
-    ("previous-query", "previous-query", 0, {}),
-    ("lookahead, no drafts", "lookahead", 0, {}),
-    ("lookahead, prompt-lookup drafts (3)", "lookahead", 3, {}),
-    ("lookahead, prompt-lookup drafts (3), rejected kept", "lookahead", 3, {"drop_rejected_drafts": False}),
-    ("lookahead, draft model", "lookahead", "draft", {}),  # needs --draft
-    ("oracle (exact, synchronous)", "oracle", 0, {}),
+SELECTORS = [  # (label, selector, other OasisConfig fields)
+    ("static (StreamingLLM)", "static", {}),
+    ("current-query (synchronous)", "current-query", {}),
+    ("previous-query", "previous-query", {}),
+    ("lookahead", "lookahead", {}),
+    ("oracle (exact, synchronous)", "oracle", {}),
 ]
+# How the tokens are produced. The oracle set of a forward is the exact top-S of all its queries' attention, so
+# selectors are compared within one decoding loop: across loops the forwards (1 query, or 1 + drafts) differ.
+LOOPS = {
+    "greedy": "plain greedy decoding (one query per forward; lookahead is previous-query here)",
+    "prompt-lookup": "HF generate with prompt_lookup_num_tokens=3 (verify forwards of up to 4 queries)",
+    "draft": "oasis_hf.speculative_generate with the draft model, 4 drafts per round (verify forwards of 5 queries)",
+}
 
 
 def main() -> None:
@@ -47,44 +56,66 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=12)
     parser.add_argument("--trials", type=int, default=1, help="prompts (different seeds) per budget")
     parser.add_argument("--methods", nargs="+", default=None, help="labels (or label prefixes) to run; default all")
-    parser.add_argument("--draft", default=None, help="assistant model for the 'lookahead, draft model' row")
+    parser.add_argument("--loops", nargs="+", default=None, choices=sorted(LOOPS),
+                        help="decoding loops to run (default: greedy and prompt-lookup, and draft with --draft)")
+    parser.add_argument("--draft", default=None, help="draft model for the 'draft' loop")
+    parser.add_argument("--draft-tokens", type=int, default=4, help="drafts per round in the 'draft' loop")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    loops = args.loops or ["greedy", "prompt-lookup"] + (["draft"] if args.draft else [])
+    if "draft" in loops and not args.draft:
+        parser.error("--loops draft needs --draft MODEL")
     model, tokenizer = models.load(args.model, device=args.device)
     draft = models.load(args.draft, device=args.device, dtype=model.dtype)[0] if args.draft else None
     oasis_hf.enable(model)
     rows = []
     for budget in args.budgets:
-        for label, selector, lookup, fields in METHODS:
-            if args.methods and not any(label.startswith(m) for m in args.methods):
-                continue
-            if lookup == "draft" and draft is None:
-                continue
-            mass, topk, correct, narrowed = [], [], 0, 0
-            for trial in range(args.trials):
-                prompt, key = passkey_prompt(args.context, tokenizer, seed=trial)
-                config = oasis_hf.OasisConfig(budget_tokens=budget, selector=selector, measure_recall=True, **fields)
-                with oasis_hf.OasisCache(model.config, config) as cache:
-                    if lookup == "draft":
-                        result = _run(model, tokenizer, prompt, cache, args.new_tokens, draft=draft)
-                    else:
-                        result = _run(model, tokenizer, prompt, cache, args.new_tokens, prompt_lookup=lookup)
-                    stats = cache.stats.summary()
-                narrowed += stats["narrowed_jobs"]
-                if stats["recall_steps"]:  # a generation that ended in its first forward has no decode step
-                    mass.append(stats["mass_recall"])
-                    topk.append(stats["topk_recall"])
-                correct += key in result["text"]
-            mean_mass = sum(mass) / len(mass) if mass else "no decode step"
-            logger.info("budget %d %s: mass %s", budget, label, mean_mass)
-            rows.append({"budget": budget, "method": label, "attention mass on resident": mean_mass,
-                         "oracle top-S recall": sum(topk) / len(topk) if topk else "no decode step",
-                         "pass key found": f"{correct}/{args.trials}",
-                         "jobs narrowed": narrowed})
-            report(args, model, rows, final=False)  # a run cut short still leaves its finished rows
+        for loop in loops:
+            for label, selector, fields in SELECTORS:
+                if args.methods and not any(label.startswith(m) for m in args.methods):
+                    continue
+                if loop == "greedy" and selector == "lookahead":
+                    continue  # identical to previous-query with one query per forward
+                rows.append(run_row(args, model, tokenizer, draft, budget, loop, label, selector, fields))
+                report(args, model, rows, final=False)  # a run cut short still leaves its finished rows
     report(args, model, rows, final=True)
+
+
+def run_row(args, model, tokenizer, draft, budget: int, loop: str, label: str, selector: str, fields: dict) -> dict:
+    """One selector under one decoding loop, over ``--trials`` prompts: mean attention mass and top-S recall."""
+    mass, topk, correct, narrowed = [], [], 0, 0
+    for trial in range(args.trials):
+        prompt, key = passkey_prompt(args.context, tokenizer, seed=trial)
+        config = oasis_hf.OasisConfig(budget_tokens=budget, selector=selector, measure_recall=True, **fields)
+        with oasis_hf.OasisCache(model.config, config) as cache:
+            if loop == "draft":
+                text = _speculative(model, draft, tokenizer, prompt, cache, args.new_tokens, args.draft_tokens)
+            else:
+                text = _run(model, tokenizer, prompt, cache, args.new_tokens,
+                            prompt_lookup=3 if loop == "prompt-lookup" else 0)["text"]
+            stats = cache.stats.summary()
+        narrowed += stats["narrowed_jobs"]
+        if stats["recall_steps"]:  # a generation that ended in its first forward has no decode step
+            mass.append(stats["mass_recall"])
+            topk.append(stats["topk_recall"])
+        correct += key in text
+    mean_mass = sum(mass) / len(mass) if mass else "no decode step"
+    logger.info("budget %d, %s loop, %s: mass %s", budget, loop, label, mean_mass)
+    return {"budget": budget, "decoding": loop, "method": label, "attention mass on resident": mean_mass,
+            "oracle top-S recall": sum(topk) / len(topk) if topk else "no decode step",
+            "pass key found": f"{correct}/{args.trials}", "jobs narrowed": narrowed}
+
+
+def _speculative(model, draft, tokenizer, prompt: str, cache, new_tokens: int, draft_tokens: int) -> str:
+    """Greedy `speculative_generate` of `prompt` with `draft`, the target on `cache`; returns the new text."""
+    inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
+    eos = tokenizer.eos_token_id
+    out = oasis_hf.speculative_generate(model, draft, inputs["input_ids"], inputs["attention_mask"], cache=cache,
+                                        max_new_tokens=new_tokens, num_draft_tokens=draft_tokens, eos_token_id=eos,
+                                        pad_token_id=tokenizer.pad_token_id or eos)
+    return tokenizer.decode(out.sequences[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
 def report(args, model, rows: list[dict], final: bool) -> None:
@@ -93,8 +124,11 @@ def report(args, model, rows: list[dict], final: bool) -> None:
     header = (f"Test configuration: {env.get('gpu', 'cpu')}, torch {env['torch']}, transformers {env['transformers']};"
               f" model {args.model}, {next(model.parameters()).dtype}, pass-key prompt of about {args.context} "
               f"tokens, {args.new_tokens} greedy tokens, {args.trials} trial(s); `{env['command']}`\n\n")
-    table = header + markdown_table(rows, ["budget", "method", "attention mass on resident", "oracle top-S recall",
-                                           "pass key found", "jobs narrowed"])
+    header += "".join(f"- `{loop}`: {what}\n" for loop, what in LOOPS.items()
+                      if any(row["decoding"] == loop for row in rows)) + "\n"
+    columns = ["budget", "decoding", "method", "attention mass on resident", "oracle top-S recall", "pass key found",
+               "jobs narrowed"]
+    table = header + markdown_table(rows, columns)
     if final:
         print(table)
     if args.out is not None:
@@ -106,7 +140,8 @@ def report(args, model, rows: list[dict], final: bool) -> None:
 
 def plot_recall(payload: dict, path: Path) -> Path | None:
     """Attention mass on resident blocks against the budget, one line per method (PNG next to the table)."""
-    return plot_vs_budget(payload["rows"], "attention mass on resident", path,
+    rows = [row | {"method": f"{row['method']} [{row.get('decoding', 'greedy')}]"} for row in payload["rows"]]
+    return plot_vs_budget(rows, "attention mass on resident", path,
                           "exact attention mass on resident blocks",
                           f"{payload['args']['model']}, ~{payload['args']['context']}-token pass-key prompts")
 

@@ -50,7 +50,7 @@ class EagerDraft:
     def feed(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Append `ids` (B, T); `mask` (B, length + T): the padding mask up to them. Returns last logits (B, V)."""
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions(mask, ids.shape[1]),
-                         use_cache=True, **{self.kwarg: self.cache})
+                         use_cache=True, **{self.kwarg: self.cache}, **_compat.last_logits_only(self.model))
         return out.logits[:, -1].float()
 
     def rewind(self, length: int) -> None:
@@ -163,7 +163,7 @@ class GraphedDraft:
         full = torch.ones_like(self.real_ok, dtype=mask.dtype)
         full[:, :num] = mask
         self.model(input_ids=ids, attention_mask=full, position_ids=positions(mask, num), use_cache=True,
-                   **{self.kwarg: self.cache})
+                   **{self.kwarg: self.cache}, **_compat.last_logits_only(self.model))
         self._advance(num, mask.long().sum(-1))
 
     def feed(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -58,10 +58,12 @@ class SpeculativeOutput:
     stats: SpeculativeStats
 
 
-def _forward(model, ids, mask, cache, kwarg: str) -> torch.Tensor:
-    """Logits (B, T, V) of `ids` (B, T) appended to `cache`; positions from the 2-D `mask` (B, L) as in generate."""
+def _forward(model, ids, mask, cache, kwarg: str, last_only: bool = False) -> torch.Tensor:
+    """Logits (B, T, V) of `ids` (B, T) appended to `cache` ((B, 1, V) with `last_only`); positions from the 2-D
+    `mask` (B, L) as in generate."""
+    extra = _compat.last_logits_only(model) if last_only else {}
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask, ids.shape[1]), use_cache=True,
-                **{kwarg: cache})
+                **{kwarg: cache}, **extra)
     return out.logits.float()
 
 
@@ -175,7 +177,7 @@ def speculative_generate(
         return probs_or_logits.argmax(-1)
 
     # Prefill both models on the prompt; the target's last logits give the first new token.
-    logits = _forward(model, input_ids, mask, cache, kw_target)[:, -1, :vocab]
+    logits = _forward(model, input_ids, mask, cache, kw_target, last_only=True)[:, -1, :vocab]
     if drafter is not None and input_ids.shape[1] > 1:
         drafter.prefill(input_ids[:, :-1], mask[:, :-1])
     last = choose(_probs(logits, temperature) if do_sample else logits)  # (B,) first new token, not in any cache

@@ -40,6 +40,26 @@ def test_greedy_equals_target_greedy(target, lengths, draft_kind):
         assert stats.acceptance < 0.5
 
 
+def test_prefills_compute_only_the_last_logits(target):
+    """The prompt forwards of target and draft ask for one position's logits: at 8 x 16k tokens and a 152k vocabulary
+    the full (B, P, V) logits are 39 GiB (this ran out of memory on the GPU before)."""
+    ids, mask = left_padded([120, 77], seed=5)
+    draft = tiny_model("qwen2", layers=1)
+    seen = {}
+    for name, model in (("target", target), ("draft", draft)):
+        seen[name] = []
+        model.get_output_embeddings().register_forward_hook(
+            lambda module, args, out, log=seen[name]: log.append(args[0].shape[1]))
+    try:
+        speculative_generate(target, draft, ids, mask, cache=oasis_cache(target), max_new_tokens=4,
+                             num_draft_tokens=2)
+    finally:
+        for model in (target, draft):
+            model.get_output_embeddings()._forward_hooks.clear()
+    assert seen["target"][0] == 1 and seen["target"][1] == 3  # prefill: last only; verify: 1 + k positions
+    assert seen["draft"][0] == 1
+
+
 def test_prompt_lookup_drafts_follow_the_earliest_match_of_the_longest_ngram():
     seq = torch.tensor([[9, 5, 6, 7, 8, 5, 6],  # tail (5, 6) seen at 1: 7 8 5 follow
                         [1, 2, 9, 1, 2, 8, 1],  # (2, 1) unseen; (1,) first at 0: 2 9 1 follow
