@@ -47,6 +47,9 @@ def batch_prompts(tokenizer, context: int, batch: int, device) -> tuple[dict, li
     return tokenizer(list(prompts), return_tensors="pt", padding=True).to(device), list(keys)
 
 
+KINDS = ["greedy", "assisted", "speculative", "speculative-target-graphs", "speculative-eager-draft"]
+
+
 @torch.inference_mode()
 def run_row(label: str, fn, inputs, tokenizer, keys, new_tokens: int) -> dict:
     gc.collect()  # the previous row's cache goes now, not at a random point of this one
@@ -67,6 +70,7 @@ def run_row(label: str, fn, inputs, tokenizer, keys, new_tokens: int) -> dict:
            "tokens": new[:, :new_tokens].cpu()}
     if stats is not None:
         row["draft acceptance"] = stats.acceptance
+        row["drafts per round"] = stats.drafted / max(1, stats.rounds)
     logger.info("%s, batch %d: %.2f s", label, batch, seconds)
     return row
 
@@ -79,7 +83,12 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--budget", type=int, default=2048)
-    parser.add_argument("--drafts", type=int, default=4, help="draft tokens per round of speculative_generate")
+    parser.add_argument("--drafts", type=int, default=4,
+                        help="draft tokens per round of speculative_generate (the most, with the adaptive schedule)")
+    parser.add_argument("--draft-schedule", choices=["adaptive", "constant"], default="adaptive",
+                        help="speculative_generate's draft_schedule")
+    parser.add_argument("--kinds", nargs="+", default=None, choices=KINDS,
+                        help="rows to run besides the greedy DynamicCache baseline (default: all)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -102,6 +111,7 @@ def main() -> None:
             out = oasis_hf.speculative_generate(model, draft, inputs["input_ids"], inputs["attention_mask"],
                                                 cache=cache, max_new_tokens=gen["max_new_tokens"],
                                                 num_draft_tokens=args.drafts, pad_token_id=pad,
+                                                draft_schedule=args.draft_schedule,
                                                 draft_cuda_graphs=kind != "speculative-eager-draft",
                                                 target_graphs=kind == "speculative-target-graphs")
             return out.sequences, out.stats
@@ -136,6 +146,8 @@ def main() -> None:
                       "speculative-target-graphs", "lookahead"),
                      (f"speculative_generate, OasisCache lookahead @{args.budget}, draft eager (no CUDA graph)",
                       "speculative-eager-draft", "lookahead")]
+        if args.kinds is not None:
+            variants = variants[:1] + [v for v in variants[1:] if v[1] in args.kinds]
         batch_rows = []
         for label, kind, selector in variants:
             cache = oasis_hf.OasisCache(model.config, cfg(selector)) if selector else None
@@ -166,9 +178,11 @@ def report(args, model, rows: list[dict], final: bool) -> None:
     env = environment()
     header = (f"Test configuration: {env.get('gpu', 'cpu')}, torch {env['torch']}, transformers {env['transformers']};"
               f" target {args.model} ({next(model.parameters()).dtype}), draft {args.draft}; pass-key prompts of about "
-              f"{args.context} tokens, {args.new_tokens} greedy tokens per sequence, {args.drafts} drafts per round; "
+              f"{args.context} tokens, {args.new_tokens} greedy tokens per sequence, at most {args.drafts} drafts per "
+              f"round ({args.draft_schedule} schedule); "
               f"budget {args.budget}; `{env['command']}`\n\n")
     columns = ["method", "batch", "seconds", "new tokens/s", "vs greedy DynamicCache", "draft acceptance",
+               "drafts per round",
                "same tokens as greedy DynamicCache", "pass keys found"]
     columns += ["error"] if any("error" in r for r in rows) else []
     table = header + markdown_table(rows, columns)

@@ -40,6 +40,26 @@ def test_greedy_equals_target_greedy(target, lengths, draft_kind):
         assert stats.acceptance < 0.5
 
 
+def test_adaptive_schedule_drafts_less_when_drafts_are_rejected(target):
+    """A random draft is almost always rejected: the adaptive schedule falls back to one draft per round (so a round
+    costs one draft step and a 2-token verify), the constant one keeps drafting four; both stay exact."""
+    ids, mask = left_padded([120, 77, 101, 90], seed=4)
+    draft = tiny_model("qwen2", layers=1)
+    ref = greedy_reference(tiny_model("llama", layers=2), ids, mask)
+    lengths = {}
+    for schedule in ("adaptive", "constant"):
+        out = speculative_generate(target, draft, ids, mask, cache=oasis_cache(target), max_new_tokens=NEW,
+                                   num_draft_tokens=4, draft_schedule=schedule)
+        assert torch.equal(out.sequences, ref)
+        lengths[schedule] = out.stats.draft_lengths
+        assert len(lengths[schedule]) == out.stats.rounds and sum(lengths[schedule]) == out.stats.drafted
+    assert lengths["adaptive"][0] == 4 and max(lengths["adaptive"][1:]) <= 2
+    assert sum(lengths["adaptive"]) / len(lengths["adaptive"]) < 1.5
+    assert set(lengths["constant"][:-3]) == {4}  # fewer only when fewer than 4 tokens remain
+    with pytest.raises(ValueError, match="draft_schedule"):
+        speculative_generate(target, draft, ids, mask, draft_schedule="heuristic")
+
+
 def test_prefills_compute_only_the_last_logits(target):
     """The prompt forwards of target and draft ask for one position's logits: at 8 x 16k tokens and a 152k vocabulary
     the full (B, P, V) logits are 39 GiB (this ran out of memory on the GPU before)."""
