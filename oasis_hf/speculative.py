@@ -146,7 +146,9 @@ def speculative_generate(
         eager forward costs about as much as the target's, which would cancel the gain of drafting.
     target_graphs : run the target's verify forwards as whole-model CUDA graphs (`oasis_hf.DecodeGraph`; needs an
         `OasisCache` whose every layer it manages): the host then issues one launch per round instead of the
-        model's eager Python and kernels. Off by default until measured on a GPU.
+        model's eager Python and kernels. Measured on an H200 (Qwen2.5-Coder 1.5B/0.5B, 16k, batch 1): 38.9 against
+        27.9 tokens/s. Off by default because `DecodeGraph` refuses some caches (sliding layers, several devices,
+        the stale policy, `measure_recall`) rather than falling back.
     draft_schedule : ``"adaptive"`` (default): each round drafts one more token than the batch kept in the last
         round, between 1 and `num_draft_tokens`; ``"constant"``: always `num_draft_tokens`.
 
