@@ -9,6 +9,10 @@ method and budget over the lengths measured, then every row per task, 0-100) and
 against the budget per method). ``--resume`` keeps the rows already written at ``--out`` and runs the others, so a
 preset larger than one GPU session (``gpu-qwen-1.5b``: 22 method-budget pairs x 3 lengths x 9 tasks x 50 samples,
 about 30,000 requests) is completed over several sessions, and ``--lengths/--budgets/--methods`` pick a part of it.
+On CUDA the OasisKV rows decode through whole-model CUDA graphs (`oasis_hf.decode_generate`, or
+``speculative_generate(target_graphs=True)`` with drafts: the same greedy tokens as ``generate``, tested, at a fraction
+of the host time per step); ``--eager`` uses transformers' ``generate`` instead. Dense and kvpress rows always use
+``generate``.
 
 ``--parts N`` runs the preset as N worker processes (one GPU each when the machine has N) that claim rows from a
 shared list as they go (a row's claim is a file created exclusively under ``<out>.claims/``), each writing its own
@@ -77,6 +81,9 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true",
                         help="keep the rows already in --out's JSON (same model, draft and samples) and run the rest")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--eager", action="store_true",
+                        help="decode OasisKV rows with transformers' generate (per-layer graphs) instead of "
+                             "whole-model CUDA graphs (`decode_generate`; same tokens, default on CUDA)")
     parser.add_argument("--parts", type=int, default=None,
                         help="run as this many worker processes (one GPU each where there are that many), then merge")
     parser.add_argument("--part", type=int, default=None, help=argparse.SUPPRESS)  # a worker of --parts
@@ -99,6 +106,7 @@ def main() -> None:
     if args.part is not None:  # a worker: the merged rows are the parent's; this one writes only its own
         rows, args.out = [], part_path(args.out, args.part)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    preset["whole_step_graphs"] = device.startswith("cuda") and not args.eager
     model, tokenizer = models.load(preset["model"], device=device)
     draft = models.load(preset["draft"], device=device)[0] if preset["draft"] else None
     with tempfile.TemporaryDirectory(prefix="oasis_suite_") as tmp:
@@ -118,7 +126,7 @@ def main() -> None:
                     if args.part is not None and not claim(args.out, (method, budget or "full", length)):
                         continue  # another worker has it
                     lm = OasisLM(pretrained=model, tokenizer=tokenizer, budget=budget or 2048, device=device,
-                                 batch_size=batch_size, **fields)
+                                 batch_size=batch_size, graphs=preset["whole_step_graphs"], **fields)
                     out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager)
                     scores = {name.removeprefix("oasis_ruler_").removesuffix(f"_{length}"): value["score,none"]
                               for name, value in out["results"].items() if name in tasks}

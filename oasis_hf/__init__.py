@@ -6,7 +6,7 @@ attention runs exactly over them. Importing this package registers nothing: call
 
 from oasis_hf.cache.oasis_cache import OasisCache
 from oasis_hf.config import OasisConfig
-from oasis_hf.decode_graph import DecodeGraph
+from oasis_hf.decode_graph import DecodeGraph, decode_generate
 from oasis_hf.errors import (
     DeviceMemoryError,
     HostMemoryError,
@@ -24,6 +24,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ATTENTION_NAME",
     "DecodeGraph",
+    "decode_generate",
     "DeviceMemoryError",
     "HostMemoryError",
     "OasisCache",

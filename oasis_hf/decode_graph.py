@@ -28,6 +28,7 @@ from oasis_hf import _compat
 from oasis_hf.cache.layer import OasisLayer
 from oasis_hf.cache.oasis_cache import OasisCache
 from oasis_hf.cache.pinned import capturing
+from oasis_hf.draft import positions
 from oasis_hf.errors import UnsupportedError
 
 logger = logging.getLogger(__name__)
@@ -204,3 +205,68 @@ class DecodeGraph:
         self.replays += 1
         self.cache.stats.graph_replays += len(self.cache.oasis_layers)
         return entry.logits.clone()
+
+
+@torch.inference_mode()
+def decode_generate(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    cache: OasisCache,
+    max_new_tokens: int = 128,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Plain decoding (no drafts) of a left-padded batch whose every step is one `DecodeGraph` replay.
+
+    The greedy tokens are those of ``model.generate(input_ids, attention_mask=..., past_key_values=<an OasisCache of
+    the same config>, do_sample=False)``; what changes is the host work per step (one launch instead of the model's
+    eager modules), which at batch 8 is most of an OasisKV step. Greedy or sampling at `temperature`; no stop
+    strings (callers that need them cut the text afterwards, as lm-eval does).
+
+    Parameters
+    ----------
+    model : a causal LM switched to the ``oasis`` attention (`oasis_hf.enable`), all full-attention layers.
+    input_ids : (B, P) left-padded prompt ids. attention_mask : (B, P), 1 for real tokens (None: all real).
+    cache : an empty `OasisCache` (`DecodeGraph` says which configurations it refuses).
+    max_new_tokens : tokens to add per sequence. eos_token_id, pad_token_id : a sequence stops at its first EOS;
+        later positions hold `pad_token_id` (default: the first EOS id, else 0).
+
+    Returns
+    -------
+    (B, P + N) ids, N <= `max_new_tokens` (fewer when every sequence ended early).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if do_sample and temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0 with do_sample=True (use do_sample=False for greedy)")
+    if not isinstance(cache, OasisCache) or cache.get_seq_length() != 0:
+        raise UnsupportedError("decode_generate needs an empty OasisCache; pass a fresh one")
+    device = input_ids.device
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
+    eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=device).long().flatten()
+    pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
+    runner = DecodeGraph(model, cache)
+    kwarg = _compat.cache_kwarg(model)
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions(mask, input_ids.shape[1]),
+                   use_cache=True, **{kwarg: cache}, **_compat.last_logits_only(model)).logits
+    finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
+    new = []
+    for step in range(max_new_tokens):
+        last = logits[:, -1].float()
+        if do_sample:
+            token = torch.multinomial(torch.softmax(last / temperature, -1), 1, generator=generator).squeeze(-1)
+        else:
+            token = last.argmax(-1)
+        token = torch.where(finished, pad, token)
+        new.append(token)
+        finished = finished | torch.isin(token, eos)
+        if step + 1 == max_new_tokens or bool(finished.all()):
+            break
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        logits = runner(token[:, None], positions(mask, 1))
+    return torch.cat([input_ids, torch.stack(new, dim=1)], dim=1)

@@ -228,8 +228,9 @@ def speculative_generate(
             ok = draft_ids == t_logits[:, :k].argmax(-1)
         accepted = ok.long().cumprod(dim=1).sum(dim=1)  # (B,) leading accepted drafts
         accepted = torch.where(finished, k, accepted)  # finished sequences never hold the batch back
-        n = int(accepted.min())
-        for b, a in enumerate(accepted.tolist()):
+        per_sequence = accepted.tolist()  # the round's one read of the acceptance (a host synchronisation)
+        n = min(per_sequence)
+        for b, a in enumerate(per_sequence):
             stats.accepted_per_sequence[b] += a
         if draft_schedule == "adaptive":
             planned = min(num_draft_tokens, n + 1)

@@ -107,3 +107,47 @@ def test_decode_graph_replays_on_cuda_and_stays_exact(selector):
         out = _decode(model, cache, ids, mask, 40, graph=True)
         assert cache.stats.summary()["graph_replays"] > 0
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("selector", ["lookahead", "current-query"])
+def test_decode_generate_equals_generate_on_the_same_cache_config(selector, device):
+    """`decode_generate` (every step through a DecodeGraph) gives the tokens of `model.generate` on an OasisCache of
+    the same config: left padding, a below-context budget, and EOS (a sequence that ends is padded after it; the
+    second run adds a second EOS id that ends another sequence early). On CUDA the steps are graph replays."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = tiny_model("llama", attn="oasis", device=device, dtype=dtype)
+    ids, mask = (t.to(device) for t in left_padded([150, 120, 135], seed=9))
+    fields = dict(SMALL, selector=selector)
+    eos = [model.generation_config.eos_token_id]
+
+    def reference(eos_ids):
+        with oasis_cache(model, **fields) as cache, torch.inference_mode():
+            return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=16,
+                                  do_sample=False, pad_token_id=0, eos_token_id=eos_ids)
+
+    ref = reference(eos)
+    with oasis_cache(model, **fields) as cache:
+        out = oasis_hf.decode_generate(model, ids, mask, cache=cache, max_new_tokens=16, eos_token_id=eos,
+                                       pad_token_id=0)
+    assert torch.equal(out, ref)
+    extra = eos + [int(ref[1, ids.shape[1] + 5])]  # sequence 1's sixth new token ends it there
+    ref = reference(extra)
+    assert bool((ref[1, ids.shape[1] + 6:] == 0).all())
+    with oasis_cache(model, **fields) as cache:
+        out = oasis_hf.decode_generate(model, ids, mask, cache=cache, max_new_tokens=16, eos_token_id=extra,
+                                       pad_token_id=0)
+    assert torch.equal(out, ref)
+
+
+def test_decode_generate_refuses_bad_input():
+    model = tiny_model("llama", attn="oasis")
+    ids, mask = left_padded([40], seed=1)
+    with oasis_cache(model) as cache:
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            oasis_hf.decode_generate(model, ids, mask, cache=cache, max_new_tokens=0)
+        with pytest.raises(ValueError, match="temperature"):
+            oasis_hf.decode_generate(model, ids, mask, cache=cache, do_sample=True, temperature=0)
+        oasis_hf.decode_generate(model, ids, mask, cache=cache, max_new_tokens=2)
+        with pytest.raises(UnsupportedError, match="empty OasisCache"):
+            oasis_hf.decode_generate(model, ids, mask, cache=cache, max_new_tokens=2)
