@@ -172,8 +172,15 @@ def merge_rows(*row_lists: list[dict]) -> list[dict]:
     return list(merged.values())
 
 
+def worker_gpu(part: int, visible: str | None) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` of worker `part`: the part-th GPU the caller may use (its own
+    ``CUDA_VISIBLE_DEVICES`` list where set, so ``CUDA_VISIBLE_DEVICES=4,5,6,7 ... --parts 4`` stays on 4-7)."""
+    return visible.split(",")[part].strip() if visible else str(part)
+
+
 def run_parts(parser: argparse.ArgumentParser, args) -> None:
-    """``--parts N``: start N workers of this command (``CUDA_VISIBLE_DEVICES`` one GPU each when there are N),
+    """``--parts N``: start N workers of this command (one GPU each when there are N: the K-th of those
+    ``CUDA_VISIBLE_DEVICES`` lists, or GPU K),
     wait for them, merge their rows with ``--out``'s (``--resume``) and write the report and plot there."""
     if args.out is None:
         parser.error("--parts needs --out (the workers write next to it, the merged result goes there)")
@@ -190,7 +197,7 @@ def run_parts(parser: argparse.ArgumentParser, args) -> None:
     for part in range(args.parts):
         env = dict(os.environ)
         if gpus >= args.parts:
-            env["CUDA_VISIBLE_DEVICES"] = str(part)
+            env["CUDA_VISIBLE_DEVICES"] = worker_gpu(part, os.environ.get("CUDA_VISIBLE_DEVICES"))
         cmd = [sys.executable, "-m", "eval.accuracy", *argv, "--part", str(part), "--resume"]
         workers.append(subprocess.Popen(cmd, env=env))
     failed = [part for part, worker in enumerate(workers) if worker.wait() != 0]

@@ -67,7 +67,7 @@ def test_accuracy_summary_and_resume_guard(tmp_path):
 def test_accuracy_parts_claim_each_row_once_and_merge(tmp_path):
     """--parts plumbing: a row is claimed by exactly one worker, workers' rows merge one per key, the worker command
     drops --parts, and a dotted --out keeps its name (accuracy_qwen_1.5b -> accuracy_qwen_1.5b.json)."""
-    from eval.accuracy import claim, claims_dir, merge_rows, part_path, worker_argv
+    from eval.accuracy import claim, claims_dir, merge_rows, part_path, worker_argv, worker_gpu
     from eval.plot import result_path
 
     out = tmp_path / "accuracy_qwen_1.5b"
@@ -79,6 +79,8 @@ def test_accuracy_parts_claim_each_row_once_and_merge(tmp_path):
     b = [{"method": "dense", "budget": "full", "length": 8192, "average": 2.0},
          {"method": "dense", "budget": "full", "length": 16384, "average": 3.0}]
     assert [r["average"] for r in merge_rows(a, b)] == [1.0, 3.0]
+    assert [worker_gpu(k, "4,5, 6") for k in range(3)] == ["4", "5", "6"]
+    assert worker_gpu(1, None) == worker_gpu(1, "") == "1"
     assert worker_argv(["--preset", "gpu-qwen-1.5b", "--parts", "8", "--out", "x", "--parts=2"]) == [
         "--preset", "gpu-qwen-1.5b", "--out", "x"]
     assert result_path(out, ".json").name == "accuracy_qwen_1.5b.json"
