@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -181,7 +182,8 @@ def worker_gpu(part: int, visible: str | None) -> str:
 def run_parts(parser: argparse.ArgumentParser, args) -> None:
     """``--parts N``: start N workers of this command (one GPU each when there are N: the K-th of those
     ``CUDA_VISIBLE_DEVICES`` lists, or GPU K),
-    wait for them, merge their rows with ``--out``'s (``--resume``) and write the report and plot there."""
+    wait for them, merge their rows with ``--out``'s (``--resume``) and write the report and plot there. Stopped by
+    SIGTERM (``timeout``), it stops the workers and still merges the rows they finished."""
     if args.out is None:
         parser.error("--parts needs --out (the workers write next to it, the merged result goes there)")
     if args.parts < 1:
@@ -200,7 +202,17 @@ def run_parts(parser: argparse.ArgumentParser, args) -> None:
             env["CUDA_VISIBLE_DEVICES"] = worker_gpu(part, os.environ.get("CUDA_VISIBLE_DEVICES"))
         cmd = [sys.executable, "-m", "eval.accuracy", *argv, "--part", str(part), "--resume"]
         workers.append(subprocess.Popen(cmd, env=env))
-    failed = [part for part, worker in enumerate(workers) if worker.wait() != 0]
+    previous = signal.signal(signal.SIGTERM, _stop)  # `timeout` signals the whole group: merge what finished
+    try:
+        failed = [part for part, worker in enumerate(workers) if worker.wait() != 0]
+        stopped = False
+    except _Stopped:
+        for worker in workers:
+            worker.terminate()
+        failed = [part for part, worker in enumerate(workers) if worker.wait() != 0]
+        stopped = True
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     preset = dict(PRESETS[args.preset])
     for key in ("samples", "lengths", "budgets", "methods"):
         if getattr(args, key):
@@ -210,9 +222,20 @@ def run_parts(parser: argparse.ArgumentParser, args) -> None:
     payload = {"env": environment(), "preset": args.preset, "config": preset, "rows": rows,
                "summary": summarize(rows), "parts": args.parts}
     _write_merged(args, preset, payload)
+    if stopped:
+        raise SystemExit(f"stopped by SIGTERM: the {len(rows)} finished rows are merged into {args.out}; run again "
+                         "with --resume for the rest")
     if failed:
         raise SystemExit(f"workers {failed} of --parts {args.parts} failed (their claimed rows are not in "
                          f"{args.out}); see their logs above, then run again with --resume")
+
+
+class _Stopped(Exception):
+    """SIGTERM reached a ``--parts`` parent (a time limit): stop the workers, keep their finished rows."""
+
+
+def _stop(signum, frame) -> None:
+    raise _Stopped
 
 
 def worker_argv(argv: list[str]) -> list[str]:
