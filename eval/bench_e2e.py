@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--drafts", type=int, default=4,
                         help="draft tokens per round of speculative_generate (the most, with the adaptive schedule)")
     parser.add_argument("--draft-schedule", choices=["adaptive", "constant"], default="adaptive",
-                        help="speculative_generate's draft_schedule")
+                        help="speculative_generate's draft_schedule (its default with a draft model: adaptive)")
     parser.add_argument("--kinds", nargs="+", default=None, choices=KINDS,
                         help="rows to run besides the greedy DynamicCache baseline (default: all)")
     parser.add_argument("--device", default=None)

@@ -20,9 +20,10 @@ sampling; sequences that accepted more lose only speed.
 Because the batch keeps its minimum, large batches accept fewer drafts per round than one sequence does (on the
 Qwen2.5-Coder 1.5B/0.5B pair at 16k tokens, 77% of 4 drafts kept at batch 1 but 32% at batch 8, and 6% with the
 target on a 2048-token OasisCache budget). Drafting ``k`` tokens then costs ``k`` draft steps and a ``k + 1``-token
-verify for about one token, so the default ``draft_schedule="adaptive"`` drafts, each round, one more token than the
-batch accepted in the round before (at most ``num_draft_tokens``, at least one), as transformers' "heuristic"
-schedule adapts ``num_assistant_tokens``; ``"constant"`` always drafts ``num_draft_tokens``.
+verify for about one token, so with a draft model the default schedule is ``"adaptive"``: each round drafts one
+more token than the batch accepted in the round before (at most ``num_draft_tokens``, at least one), as
+transformers' "heuristic" schedule adapts ``num_assistant_tokens``. ``"constant"`` (the default for prompt lookup,
+whose drafts cost no draft step) always drafts ``num_draft_tokens``.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def speculative_generate(
     draft_cuda_graphs: bool = True,
     prompt_lookup_max_ngram: int = 2,
     target_graphs: bool = False,
-    draft_schedule: str = "adaptive",
+    draft_schedule: str | None = None,
 ) -> SpeculativeOutput:
     """Generate with a draft model for any batch size; greedy output equals the target's own greedy output.
 
@@ -149,8 +150,9 @@ def speculative_generate(
         model's eager Python and kernels. Measured on an H200 (Qwen2.5-Coder 1.5B/0.5B, 16k, batch 1): 38.9 against
         27.9 tokens/s. Off by default because `DecodeGraph` refuses some caches (sliding layers, several devices,
         the stale policy, `measure_recall`) rather than falling back.
-    draft_schedule : ``"adaptive"`` (default): each round drafts one more token than the batch kept in the last
-        round, between 1 and `num_draft_tokens`; ``"constant"``: always `num_draft_tokens`.
+    draft_schedule : ``"adaptive"``: each round drafts one more token than the batch kept in the last round,
+        between 1 and `num_draft_tokens`; ``"constant"``: always `num_draft_tokens`. None (default): adaptive with a
+        draft model, constant with prompt lookup (its drafts cost no draft steps, only a wider verify).
 
     Returns
     -------
@@ -162,6 +164,8 @@ def speculative_generate(
         )
     if do_sample and temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0 with do_sample=True (use do_sample=False for greedy)")
+    if draft_schedule is None:
+        draft_schedule = "constant" if draft_model is None else "adaptive"
     if draft_schedule not in ("adaptive", "constant"):
         raise ValueError(f"draft_schedule={draft_schedule!r} is not one of 'adaptive', 'constant'")
     if prompt_lookup_max_ngram < 1:

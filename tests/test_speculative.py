@@ -58,6 +58,12 @@ def test_adaptive_schedule_drafts_less_when_drafts_are_rejected(target):
     assert set(lengths["constant"][:-3]) == {4}  # fewer only when fewer than 4 tokens remain
     with pytest.raises(ValueError, match="draft_schedule"):
         speculative_generate(target, draft, ids, mask, draft_schedule="heuristic")
+    default = speculative_generate(target, draft, ids, mask, cache=oasis_cache(target), max_new_tokens=NEW,
+                                   num_draft_tokens=4)
+    assert default.stats.draft_lengths == lengths["adaptive"]  # with a draft model the default adapts
+    lookup = speculative_generate(target, None, ids, mask, cache=oasis_cache(target), max_new_tokens=NEW,
+                                  num_draft_tokens=4)
+    assert set(lookup.stats.draft_lengths[:-3]) == {4}  # prompt lookup: drafts are free, the default is constant
 
 
 def test_prefills_compute_only_the_last_logits(target):
