@@ -71,6 +71,10 @@ def run_row(label: str, fn, inputs, tokenizer, keys, new_tokens: int) -> dict:
     if stats is not None:
         row["draft acceptance"] = stats.acceptance
         row["drafts per round"] = stats.drafted / max(1, stats.rounds)
+        rounds = max(1, stats.rounds)
+        row["draft ms/round"] = 1e3 * stats.draft_seconds / rounds
+        row["verify ms/round"] = 1e3 * stats.verify_seconds / rounds
+        row["accept + crop ms/round"] = 1e3 * stats.accept_seconds / rounds
     logger.info("%s, batch %d: %.2f s", label, batch, seconds)
     return row
 
@@ -182,7 +186,7 @@ def report(args, model, rows: list[dict], final: bool) -> None:
               f"round ({args.draft_schedule} schedule); "
               f"budget {args.budget}; `{env['command']}`\n\n")
     columns = ["method", "batch", "seconds", "new tokens/s", "vs greedy DynamicCache", "draft acceptance",
-               "drafts per round",
+               "drafts per round", "draft ms/round", "verify ms/round", "accept + crop ms/round",
                "same tokens as greedy DynamicCache", "pass keys found"]
     columns += ["error"] if any("error" in r for r in rows) else []
     table = header + markdown_table(rows, columns)

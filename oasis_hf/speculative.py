@@ -54,6 +54,10 @@ class SpeculativeStats:
     draft_lengths: list[int] = field(default_factory=list)  # drafts proposed in each round
     new_tokens: int = 0
     seconds: float = 0.0
+    # Where the rounds' time went (wall time on the device's timeline: CUDA events on a GPU, so host gaps count):
+    draft_seconds: float = 0.0  # drafting (draft model steps or prompt lookup)
+    verify_seconds: float = 0.0  # the target's verify forwards
+    accept_seconds: float = 0.0  # acceptance, the host read, cache crops and bookkeeping
 
     @property
     def acceptance(self) -> float:
@@ -207,13 +211,16 @@ def speculative_generate(
     produced = 1
     planned = num_draft_tokens  # drafts of the next round
 
+    clock = _PhaseClock(device)
     while produced < max_new_tokens and not bool(finished.all()):
+        clock.mark()
         k = min(planned, max_new_tokens - produced)
         if drafter is None:  # prompt lookup: a deterministic proposal, q is one-hot on it
             draft_ids = prompt_lookup_drafts(seq, mask, k, prompt_lookup_max_ngram)
             draft_probs = list(torch.nn.functional.one_hot(draft_ids, vocab).float().unbind(1)) if do_sample else []
         else:
             draft_ids, draft_probs = _draft(drafter, seq, mask, k, vocab, do_sample, temperature, choose)
+        clock.mark()
         # Verify: one target forward over [last, d_1 .. d_k].
         verify_ids = torch.cat([last[:, None], draft_ids], dim=1)
         verify_mask = torch.cat([mask, mask.new_ones(batch, k)], dim=1)
@@ -230,6 +237,7 @@ def speculative_generate(
             ok = u <= (p_d / q_d.clamp_min(1e-20)).clamp(max=1.0)
         else:
             ok = draft_ids == t_logits[:, :k].argmax(-1)
+        clock.mark()
         accepted = ok.long().cumprod(dim=1).sum(dim=1)  # (B,) leading accepted drafts
         accepted = torch.where(finished, k, accepted)  # finished sequences never hold the batch back
         per_sequence = accepted.tolist()  # the round's one read of the acceptance (a host synchronisation)
@@ -267,10 +275,42 @@ def speculative_generate(
         stats.drafted += k
         stats.accepted += n
         stats.draft_lengths.append(k)
+        clock.mark()
+    stats.draft_seconds, stats.verify_seconds, stats.accept_seconds = clock.totals(3)
     stats.new_tokens = produced
     stats.seconds = time.perf_counter() - t0
     total = input_ids.shape[1] + max_new_tokens
     return SpeculativeOutput(sequences=seq[:, :total], stats=stats)
+
+
+class _PhaseClock:
+    """Time between successive `mark` calls, phases cycling with period ``n``: CUDA events on a GPU (no
+    synchronisation until `totals`), the host clock on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self.device = device
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def totals(self, n: int) -> list[float]:
+        """Seconds per phase: phase i sums the intervals that start at marks i, i + n + 1, ... (each round records
+        ``n + 1`` marks: its start and the end of each phase)."""
+        out = [0.0] * n
+        if self.cuda and self.marks:
+            self.marks[-1].synchronize()
+        for start in range(0, len(self.marks) - n, n + 1):
+            for phase in range(n):
+                a, b = self.marks[start + phase], self.marks[start + phase + 1]
+                out[phase] += a.elapsed_time(b) / 1e3 if self.cuda else b - a
+        return out
 
 
 def _draft(drafter, seq, mask, k: int, vocab: int, do_sample: bool, temperature: float, choose):

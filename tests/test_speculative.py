@@ -33,6 +33,8 @@ def test_greedy_equals_target_greedy(target, lengths, draft_kind):
     assert torch.equal(out.sequences, ref)
     stats = out.stats
     assert stats.rounds > 0 and stats.new_tokens >= NEW
+    phases = (stats.draft_seconds, stats.verify_seconds, stats.accept_seconds)
+    assert all(p > 0 for p in phases) and sum(phases) <= stats.seconds
     if draft_kind == "self-draft":
         assert stats.acceptance == 1.0
         assert stats.rounds <= -(-NEW // 5) + 1  # k + 1 tokens per round
