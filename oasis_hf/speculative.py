@@ -21,8 +21,10 @@ Because the batch keeps its minimum, large batches accept fewer drafts per round
 Qwen2.5-Coder 1.5B/0.5B pair at 16k tokens, 77% of 4 drafts kept at batch 1 but 32% at batch 8, and 6% with the
 target on a 2048-token OasisCache budget). Drafting ``k`` tokens then costs ``k`` draft steps and a ``k + 1``-token
 verify for about one token, so with a draft model the default schedule is ``"adaptive"``: each round drafts one
-more token than the batch accepted in the round before (at most ``num_draft_tokens``, at least one), as
-transformers' "heuristic" schedule adapts ``num_assistant_tokens``. ``"constant"`` (the default for prompt lookup,
+more token than the batch accepted in the round before (at most ``num_draft_tokens``), as transformers' "heuristic"
+schedule adapts ``num_assistant_tokens``; where even one draft fails, it backs off to plain rounds (no draft, a
+one-token verify) for 1, 2, 4, ... 16 rounds between one-draft probes, so drafts that never hold cost about what
+plain decoding costs. ``"constant"`` (the default for prompt lookup,
 whose drafts cost no draft step) always drafts ``num_draft_tokens``.
 """
 
@@ -154,9 +156,10 @@ def speculative_generate(
         model's eager Python and kernels. Measured on an H200 (Qwen2.5-Coder 1.5B/0.5B, 16k, batch 1): 38.9 against
         27.9 tokens/s. Off by default because `DecodeGraph` refuses some caches (sliding layers, several devices,
         the stale policy, `measure_recall`) rather than falling back.
-    draft_schedule : ``"adaptive"``: each round drafts one more token than the batch kept in the last round,
-        between 1 and `num_draft_tokens`; ``"constant"``: always `num_draft_tokens`. None (default): adaptive with a
-        draft model, constant with prompt lookup (its drafts cost no draft steps, only a wider verify).
+    draft_schedule : ``"adaptive"``: each round drafts one more token than the batch kept in the last round, at
+        most `num_draft_tokens`, backing off to plain rounds after a failed one-draft round (`_DraftSchedule`);
+        ``"constant"``: always `num_draft_tokens`. None (default): adaptive with a draft model, constant with
+        prompt lookup (its drafts cost no draft steps, only a wider verify).
 
     Returns
     -------
@@ -209,13 +212,15 @@ def speculative_generate(
     mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
     finished = torch.isin(last, eos)
     produced = 1
-    planned = num_draft_tokens  # drafts of the next round
+    schedule = _DraftSchedule(draft_schedule, num_draft_tokens)
 
     clock = _PhaseClock(device)
     while produced < max_new_tokens and not bool(finished.all()):
         clock.mark()
-        k = min(planned, max_new_tokens - produced)
-        if drafter is None:  # prompt lookup: a deterministic proposal, q is one-hot on it
+        k = min(schedule.planned, max_new_tokens - produced)
+        if k == 0:  # a plain round (the adaptive schedule backs off from drafts that never hold): verify `last` only
+            draft_ids, draft_probs = seq.new_empty(batch, 0), []
+        elif drafter is None:  # prompt lookup: a deterministic proposal, q is one-hot on it
             draft_ids = prompt_lookup_drafts(seq, mask, k, prompt_lookup_max_ngram)
             draft_probs = list(torch.nn.functional.one_hot(draft_ids, vocab).float().unbind(1)) if do_sample else []
         else:
@@ -230,11 +235,13 @@ def speculative_generate(
             t_logits = _forward(model, verify_ids, verify_mask, cache, kw_target)[:, :, :vocab]  # (B, k+1, V)
         if do_sample:
             p = _probs(t_logits, temperature)
-            q = torch.stack(draft_probs, dim=1)  # (B, k, V)
-            p_d = p[:, :k].gather(-1, draft_ids[..., None]).squeeze(-1)
-            q_d = q.gather(-1, draft_ids[..., None]).squeeze(-1)
-            u = torch.rand(p_d.shape, device=device, generator=generator)
-            ok = u <= (p_d / q_d.clamp_min(1e-20)).clamp(max=1.0)
+            q, ok = None, draft_ids.bool()  # a plain round: nothing to accept, the token is sampled from p
+            if k:
+                q = torch.stack(draft_probs, dim=1)  # (B, k, V)
+                p_d = p[:, :k].gather(-1, draft_ids[..., None]).squeeze(-1)
+                q_d = q.gather(-1, draft_ids[..., None]).squeeze(-1)
+                u = torch.rand(p_d.shape, device=device, generator=generator)
+                ok = u <= (p_d / q_d.clamp_min(1e-20)).clamp(max=1.0)
         else:
             ok = draft_ids == t_logits[:, :k].argmax(-1)
         clock.mark()
@@ -244,8 +251,7 @@ def speculative_generate(
         n = min(per_sequence)
         for b, a in enumerate(per_sequence):
             stats.accepted_per_sequence[b] += a
-        if draft_schedule == "adaptive":
-            planned = min(num_draft_tokens, n + 1)
+        schedule.update(k, n)
         # Token n + 1: the sequence's own accepted draft where it accepted more, else the target's correction.
         if do_sample:
             residual = p[:, n] - (q[:, n] if n < k else 0.0)
@@ -281,6 +287,37 @@ def speculative_generate(
     stats.seconds = time.perf_counter() - t0
     total = input_ids.shape[1] + max_new_tokens
     return SpeculativeOutput(sequences=seq[:, :total], stats=stats)
+
+
+class _DraftSchedule:
+    """Drafts per round. ``constant``: always `most`. ``adaptive``: one more than the batch kept in the last round
+    (1 to `most`); after a one-draft round that kept nothing, plain rounds (no draft, a one-token verify: plain
+    decoding) follow, 1, then 2, 4, ... up to `MAX_PLAIN` in a row between one-draft probes, so a batch whose drafts
+    do not hold decodes at the speed of plain decoding instead of paying draft steps and a wider verify."""
+
+    MAX_PLAIN = 16
+
+    def __init__(self, kind: str, most: int) -> None:
+        self.kind, self.most = kind, most
+        self.planned = most  # drafts of the next round
+        self.backoff = 0  # plain rounds after the last failed probe
+        self.plain_left = 0
+
+    def update(self, drafted: int, kept: int) -> None:
+        """The round drafted `drafted` tokens and the batch kept `kept` of them."""
+        if self.kind == "constant":
+            return
+        if drafted == 0:  # a plain round
+            self.plain_left -= 1
+            self.planned = 1 if self.plain_left <= 0 else 0
+        elif drafted == 1 and kept == 0:  # a one-draft round that failed: back off
+            self.backoff = min(2 * self.backoff, self.MAX_PLAIN) if self.backoff else 1
+            self.plain_left = self.backoff
+            self.planned = 0
+        else:
+            if kept:
+                self.backoff = 0
+            self.planned = min(self.most, kept + 1)
 
 
 class _PhaseClock:

@@ -55,8 +55,11 @@ def test_adaptive_schedule_drafts_less_when_drafts_are_rejected(target):
         assert torch.equal(out.sequences, ref)
         lengths[schedule] = out.stats.draft_lengths
         assert len(lengths[schedule]) == out.stats.rounds and sum(lengths[schedule]) == out.stats.drafted
-    assert lengths["adaptive"][0] == 4 and max(lengths["adaptive"][1:]) <= 2
-    assert sum(lengths["adaptive"]) / len(lengths["adaptive"]) < 1.5
+    adaptive = lengths["adaptive"]
+    assert adaptive[0] == 4 and max(adaptive[1:]) <= 2
+    assert adaptive.count(0) > len(adaptive) / 2  # mostly plain rounds: backing off from drafts that never hold
+    runs = [len(run) for run in "".join("p" if k == 0 else "d" for k in adaptive).split("d") if run]
+    assert runs == sorted(runs) and max(runs) <= 16  # plain stretches grow (1, 2, 4, ...) between probes
     assert set(lengths["constant"][:-3]) == {4}  # fewer only when fewer than 4 tokens remain
     with pytest.raises(ValueError, match="draft_schedule"):
         speculative_generate(target, draft, ids, mask, draft_schedule="heuristic")
@@ -66,6 +69,23 @@ def test_adaptive_schedule_drafts_less_when_drafts_are_rejected(target):
     lookup = speculative_generate(target, None, ids, mask, cache=oasis_cache(target), max_new_tokens=NEW,
                                   num_draft_tokens=4)
     assert set(lookup.stats.draft_lengths[:-3]) == {4}  # prompt lookup: drafts are free, the default is constant
+
+
+def test_draft_schedule_backs_off_to_plain_rounds_and_recovers():
+    from oasis_hf.speculative import _DraftSchedule
+
+    schedule, planned = _DraftSchedule("adaptive", 4), []
+    for drafted, kept in [(4, 0), (1, 0), (0, 0), (1, 0), (0, 0), (0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (4, 1)]:
+        assert drafted == schedule.planned
+        schedule.update(drafted, kept)
+        planned.append(schedule.planned)
+    assert planned == [1, 0, 1, 0, 0, 1, 2, 3, 4, 4, 2]
+    for _ in range(12):  # a probe that keeps failing: plain stretches of 1, 2, 4, ... capped at MAX_PLAIN
+        schedule.update(schedule.planned, 0)
+    assert schedule.backoff <= _DraftSchedule.MAX_PLAIN
+    constant = _DraftSchedule("constant", 4)
+    constant.update(4, 0)
+    assert constant.planned == 4
 
 
 def test_prefills_compute_only_the_last_logits(target):
