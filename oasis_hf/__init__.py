@@ -5,6 +5,7 @@ attention runs exactly over them. Importing this package registers nothing: call
 """
 
 from oasis_hf.cache.oasis_cache import OasisCache
+from oasis_hf.cache.pinned import PinnedPool
 from oasis_hf.config import OasisConfig
 from oasis_hf.decode_graph import DecodeGraph, decode_generate
 from oasis_hf.errors import (
@@ -31,6 +32,7 @@ __all__ = [
     "OasisConfig",
     "OasisError",
     "OasisTextGenerationPipeline",
+    "PinnedPool",
     "PrefetchError",
     "RemoteTierError",
     "SpeculativeOutput",

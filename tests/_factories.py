@@ -47,11 +47,11 @@ def tiny_model(family: str, layers: int = 2, attn: str = "sdpa", device: str = "
     return model
 
 
-def oasis_cache(model, **fields) -> oasis_hf.OasisCache:
+def oasis_cache(model, host_pool=None, **fields) -> oasis_hf.OasisCache:
     """An OasisCache with small blocks so tiny prompts span many blocks."""
     base = dict(block_size=16, sink_tokens=16, recent_tokens=32, budget_tokens=4096)
     base.update(fields)
-    return oasis_hf.OasisCache(model.config, oasis_hf.OasisConfig(**base))
+    return oasis_hf.OasisCache(model.config, oasis_hf.OasisConfig(**base), host_pool=host_pool)
 
 
 def tiny_tokenizer():

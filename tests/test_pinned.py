@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from oasis_hf.cache import pinned
+from oasis_hf.errors import UnsupportedError
 from tests._factories import oasis_cache, tiny_model
 from tests.test_generate import generate, left_padded
 
@@ -67,3 +68,53 @@ def test_old_caches_collected_during_new_captures():
     gc.collect()
     pinned.release_deferred()
     assert all(torch.equal(outs[0], out) for out in outs[1:])
+
+
+def _generate(model, ids, mask, cache):
+    with torch.inference_mode():
+        return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12,
+                              do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_pool_reuses_host_buffers_across_caches_and_closed_caches_refuse_use(device):
+    """Caches sharing a PinnedPool reuse the host buffers of closed ones (no new allocation, no new page-locking)
+    and decode exactly as caches with their own memory; a closed cache whose memory went back refuses to run."""
+    from oasis_hf import PinnedPool
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = tiny_model("llama", attn="oasis", device=device, dtype=dtype)
+    ids, mask = (t.to(device) for t in left_padded([150, 120], seed=4))
+    fields = dict(budget_tokens=128, max_fetch_blocks=2, selector="current-query")
+    with oasis_cache(model, **fields) as cache:
+        ref = _generate(model, ids, mask, cache)
+    pool = PinnedPool()
+    first = oasis_cache(model, host_pool=pool, **fields)
+    with first:
+        assert torch.equal(_generate(model, ids, mask, first), ref)
+        pointers = {seg.buffer.data.data_ptr() for seg in first.host.segments}
+    assert pool.free_bytes > 0 and first.host.capacity_blocks == 0
+    with pytest.raises(UnsupportedError, match="closed"):
+        _generate(model, ids, mask, first)
+    second = oasis_cache(model, host_pool=pool, **fields)
+    with second:
+        assert torch.equal(_generate(model, ids, mask, second), ref)
+        assert {seg.buffer.data.data_ptr() for seg in second.host.segments} <= pointers
+        assert pool.reused >= 1
+    pool.clear()
+    assert pool.free_bytes == 0
+    with pytest.raises(ValueError, match="max_buffers"):
+        PinnedPool(max_buffers=0)
+
+
+def test_pool_keeps_at_most_max_buffers_smallest_released_first():
+    from oasis_hf import PinnedPool
+    from oasis_hf.cache.pinned import PinnedBuffer
+
+    pool = PinnedPool(max_buffers=2)
+    pool.give([PinnedBuffer(n, pin=False) for n in (100, 300, 200)])
+    assert pool.free_bytes == 500  # 300 + 200 kept
+    assert pool.take(250, pin=False).data.numel() == 300  # the smallest that fits
+    assert pool.take(250, pin=False) is None and pool.take(250, pin=True) is None
+    assert pool.take(150, pin=False).data.numel() == 200
+    assert pool.free_bytes == 0 and pool.reused == 2

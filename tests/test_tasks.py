@@ -73,6 +73,7 @@ def test_lm_eval_runs_the_suite_with_the_oasis_model(tok, tmp_path):
     for name in ("oasis_ruler_niah_single_300", "oasis_ruler_qa_300"):
         assert 0.0 <= scores[name]["score,none"] <= 100.0
     assert model.config._attn_implementation == "oasis"
+    assert lm.host_pool.reused >= 1  # later request batches took the host buffers of earlier ones
 
 
 def test_kvpress_baseline_is_refused_with_the_reason(tok):

@@ -20,7 +20,7 @@ from typing import Protocol
 import psutil
 import torch
 
-from oasis_hf.cache.pinned import PinnedBuffer
+from oasis_hf.cache.pinned import PinnedBuffer, PinnedPool
 from oasis_hf.errors import HostMemoryError
 from oasis_hf.kernels import copy_rows, gather_blocks, gather_blocks_ref
 
@@ -104,6 +104,7 @@ class HostKVStore:
         headroom_bytes: int,
         growth_tokens: int,
         limit_bytes: int | None = None,
+        pool: PinnedPool | None = None,
     ) -> None:
         self.layer_ids = list(layer_ids)
         self.batch_size, self.num_kv_heads, self.head_dim = batch_size, num_kv_heads, head_dim
@@ -111,6 +112,7 @@ class HostKVStore:
         self.headroom_bytes = headroom_bytes
         self.limit_bytes = limit_bytes
         self.growth_blocks = max(1, growth_tokens // block_size)
+        self.pool = pool
         self.segments: list[_Segment] = []
         self.capacity_blocks = 0
         self._row_offsets: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -145,11 +147,18 @@ class HostKVStore:
             available, headroom = max(0, self.limit_bytes - self.nbytes), 0
         else:
             available, headroom = psutil.virtual_memory().available, self.headroom_bytes
-        if nbytes + headroom > available:
-            raise HostMemoryError(nbytes, available, headroom, held, limited=self.limit_bytes is not None)
+        buffer = self.pool.take(nbytes, self.pin) if self.pool is not None else None
+        if buffer is None and self.limit_bytes is None and self.pool is not None and self.pool.free_bytes:
+            self.pool.clear()  # nothing fits: the free buffers go back to the OS before the check below
+            available = psutil.virtual_memory().available
+        if buffer is None or self.limit_bytes is not None:  # a reused buffer is memory held already
+            if nbytes + headroom > available:
+                if buffer is not None:
+                    self.pool.give([buffer])
+                raise HostMemoryError(nbytes, available, headroom, held, limited=self.limit_bytes is not None)
         shape = (self.batch_size, self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
         try:
-            buffer = PinnedBuffer(nbytes, pin=self.pin)
+            buffer = buffer if buffer is not None else PinnedBuffer(nbytes, pin=self.pin)
         except (RuntimeError, MemoryError) as exc:  # malloc or cudaHostRegister refused: nothing is kept
             raise HostMemoryError(nbytes, available, headroom, held, limited=self.limit_bytes is not None) from exc
         keys = {layer: buffer.view(2 * i * per_tensor, shape, self.dtype) for i, layer in enumerate(self.layer_ids)}
@@ -171,15 +180,25 @@ class HostKVStore:
         overwritten here."""
 
     def close(self) -> None:
-        """The cache is done with its sequences: nothing to hand back here (the memory goes with the cache, or with
-        `release` on `reset`); a remote store frees the request's objects."""
+        """The cache is done with its sequences: with a pool its buffers go back to the pool now (the cache refuses
+        further use); without one nothing is handed back (the memory goes with the cache, or with `release` on
+        `reset`). A remote store frees the request's objects."""
+        if self.pool is not None:
+            self.release()
 
     def release(self) -> None:
-        """Free all host memory (the store can grow again afterwards)."""
-        for seg in self.segments:
-            seg.buffer.release()
+        """Free all host memory, or return it to the pool (the store can grow again afterwards)."""
+        buffers = [seg.buffer for seg in self.segments]
         self.segments.clear()
         self.capacity_blocks = 0
+        if self.pool is None:
+            for buffer in buffers:
+                buffer.release()
+            return
+        if buffers and torch.cuda.is_available() and torch.cuda.is_initialized():
+            for index in range(torch.cuda.device_count()):  # zero-copy kernels may still read or write them
+                torch.cuda.synchronize(index)
+        self.pool.give(buffers)
 
     # ---------------------------------------------------------------------------------------------------- write
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:

@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache
 from oasis_hf import _compat
 from oasis_hf.cache.host_store import BlockStore, HostKVStore
 from oasis_hf.cache.layer import OasisLayer
+from oasis_hf.cache.pinned import PinnedPool
 from oasis_hf.cache.prefetch import Prefetcher
 from oasis_hf.cache.stats import OasisStats
 from oasis_hf.config import OasisConfig
@@ -40,6 +41,9 @@ class OasisCache(Cache):
     ----------
     model_config : the model's `PretrainedConfig` (multimodal configs use their text config).
     config : `OasisConfig`; keyword `overrides` replace its fields (``OasisCache(cfg, budget_tokens=1024)``).
+    host_pool : a `PinnedPool` shared by caches created one after another (a cache per request batch): the host
+        store reuses its page-locked buffers instead of pinning new memory, and `close` returns them (the closed
+        cache then refuses further use). None: the store owns its memory.
 
     Examples
     --------
@@ -51,7 +55,8 @@ class OasisCache(Cache):
     Use a fresh cache for every `generate` call: a cache holds one batch of sequences.
     """
 
-    def __init__(self, model_config, config: OasisConfig | None = None, **overrides) -> None:
+    def __init__(self, model_config, config: OasisConfig | None = None, *, host_pool: PinnedPool | None = None,
+                 **overrides) -> None:
         config = config or OasisConfig()
         if overrides:
             config = dataclasses.replace(config, **overrides)
@@ -72,6 +77,8 @@ class OasisCache(Cache):
             raise UnsupportedError("the model has no full-attention layer for OasisCache to manage; use DynamicCache")
         self.selector = get_selector(config.selector)
         self.host: BlockStore | None = None  # HostKVStore, or a RemoteBlockStore after oasis_hf.remote.attach
+        self.host_pool = host_pool
+        self._host_returned = False  # closed with a pool: the host memory went back to it
         self.stats = OasisStats()
         self.stats._drain = self.wait
         self._writeback_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -96,6 +103,11 @@ class OasisCache(Cache):
 
     def _reserve(self, num_tokens: int) -> None:
         """Make the host store (all layers at once) and the block maps hold `num_tokens` tokens per sequence."""
+        if self._host_returned:
+            raise UnsupportedError(
+                "this OasisCache was closed and its host memory returned to its host_pool (another cache may use it "
+                "now); use a fresh OasisCache for the next batch"
+            )
         if self.host is None:
             first = next(layer for layer in self.oasis_layers if layer.is_initialized)
             cfg = self.config
@@ -104,7 +116,7 @@ class OasisCache(Cache):
                 [layer.layer_idx for layer in self.oasis_layers],
                 first.batch_size, first.num_kv_heads, first.head_dim, cfg.block_size, first.dtype,
                 pin=pin, headroom_bytes=cfg.host_memory_headroom_bytes, growth_tokens=cfg.host_growth_tokens,
-                limit_bytes=cfg.host_memory_limit_bytes,
+                limit_bytes=cfg.host_memory_limit_bytes, pool=self.host_pool,
             )  # fmt: skip
         if -(-num_tokens // self.config.block_size) > self.host.capacity_blocks:
             self.wait()  # growing replaces the block maps that outstanding selection jobs still update
@@ -134,7 +146,12 @@ class OasisCache(Cache):
         finally:
             _close_all(self._prefetchers)
             if self.host is not None:
-                self.host.close()  # a remote store frees the request's objects; the local one keeps its memory
+                # A remote store frees the request's objects; the local one keeps its memory, or returns it to its
+                # pool, after which this cache refuses further use (its captured graphs point into that memory).
+                self.host.close()
+                if self.host_pool is not None and getattr(self.host, "pool", None) is self.host_pool:
+                    self._host_returned = True
+                    self._epoch += 1
 
     def __enter__(self) -> OasisCache:
         return self

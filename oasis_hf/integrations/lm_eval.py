@@ -35,6 +35,7 @@ from lm_eval.models.huggingface import HFLM
 
 from oasis_hf import _compat, models
 from oasis_hf.cache.oasis_cache import OasisCache
+from oasis_hf.cache.pinned import PinnedPool
 from oasis_hf.config import OasisConfig
 from oasis_hf.decode_graph import decode_generate
 from oasis_hf.errors import UnsupportedError
@@ -75,6 +76,8 @@ class OasisLM(HFLM):
         self.oasis_config = OasisConfig(**fields)  # validated even for dense runs: a typo must not pass silently
         self.prompt_lookup = int(prompt_lookup)
         self.graphs = _bool(graphs)
+        # Every request batch gets a fresh cache; their host stores reuse page-locked buffers instead of pinning anew.
+        self.host_pool = PinnedPool()
         self.draft = draft_model  # a loaded assistant model (Python API), or `draft` loaded here (command line)
         if draft and self.draft is None:
             self.draft = models.load(draft, device=str(self.device), dtype=self.model.dtype)[0]
@@ -96,7 +99,7 @@ class OasisLM(HFLM):
             return self._speculative(context, max_length, generation_kwargs)
         if self.graphs:
             return self._graphed(context, max_length, generation_kwargs)
-        with OasisCache(self.model.config, self.oasis_config) as cache:
+        with OasisCache(self.model.config, self.oasis_config, host_pool=self.host_pool) as cache:
             generation_kwargs[_compat.cache_kwarg(self.model)] = cache
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
@@ -111,7 +114,7 @@ class OasisLM(HFLM):
         """Plain decoding with every step a whole-model CUDA graph replay (`decode_generate`); stop strings are cut
         by lm-eval afterwards."""
         do_sample, temperature, eos = self._sampling(generation_kwargs)
-        with OasisCache(self.model.config, self.oasis_config) as cache:
+        with OasisCache(self.model.config, self.oasis_config, host_pool=self.host_pool) as cache:
             return decode_generate(self.model, context, generation_kwargs.get("attention_mask"), cache=cache,
                                    max_new_tokens=max(1, max_length - context.shape[1]), eos_token_id=eos,
                                    pad_token_id=self.tokenizer.pad_token_id, do_sample=do_sample,
@@ -122,7 +125,7 @@ class OasisLM(HFLM):
         only), with the draft model or, without one, prompt-lookup drafts (`prompt_lookup` per round). Stop strings
         are not checked during generation: lm-eval cuts the text at them afterwards."""
         do_sample, temperature, eos = self._sampling(generation_kwargs)
-        with OasisCache(self.model.config, self.oasis_config) as cache:
+        with OasisCache(self.model.config, self.oasis_config, host_pool=self.host_pool) as cache:
             out = speculative_generate(
                 self.model, self.draft, context, generation_kwargs.get("attention_mask"), cache=cache,
                 max_new_tokens=max(1, max_length - context.shape[1]), do_sample=do_sample,
