@@ -103,7 +103,9 @@ class OasisConfig:
     drop_rejected_drafts : bool
         When speculative decoding rejects drafts (``crop``), selection jobs of that forward that have not started yet
         score with the accepted tokens' queries only. Jobs already running, or replayed as CUDA graphs, keep all
-        queries. Changes which blocks are chosen, never the exactness of attention. Default True.
+        queries: on CUDA with the default ``prefetch_launch="caller"`` every job after a ``T``'s first two is a graph
+        launched at once, so this acts on the CPU and on eager jobs only. Changes which blocks are chosen, never the
+        exactness of attention. Default True.
     cuda_graphs : bool
         On CUDA, capture each layer's decode step (selection, delta, fetch, sparse attention) in a CUDA graph per
         forward length ``T <= 16`` and replay it: a few launches per layer instead of ~190. The first forward of
