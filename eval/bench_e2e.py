@@ -8,7 +8,8 @@ Every row generates `--new-tokens` greedy tokens for the same left-padded batch 
 sequence, `oasis_hf.cli.passkey_prompt` with a seed per sequence):
 
 - ``greedy, DynamicCache``: ``model.generate`` (the baseline a user has);
-- ``greedy, OasisCache current-query``: the same with OasisKV;
+- ``greedy, OasisCache current-query``: the same with OasisKV, and through whole-model CUDA graphs
+  (`oasis_hf.decode_generate`: the same tokens, one launch per step);
 - ``HF assisted, DynamicCache`` (batch 1 only: transformers refuses larger batches);
 - ``speculative_generate, DynamicCache`` and ``speculative_generate, OasisCache lookahead``: our loop
   (`oasis_hf.speculative_generate`), whose greedy output equals the target's greedy output; its draft steps are
@@ -47,7 +48,7 @@ def batch_prompts(tokenizer, context: int, batch: int, device) -> tuple[dict, li
     return tokenizer(list(prompts), return_tensors="pt", padding=True).to(device), list(keys)
 
 
-KINDS = ["greedy", "assisted", "speculative", "speculative-target-graphs", "speculative-eager-draft"]
+KINDS = ["greedy", "greedy-graphs", "assisted", "speculative", "speculative-target-graphs", "speculative-eager-draft"]
 
 
 @torch.inference_mode()
@@ -119,6 +120,10 @@ def main() -> None:
                                                 draft_cuda_graphs=kind != "speculative-eager-draft",
                                                 target_graphs=kind == "speculative-target-graphs")
             return out.sequences, out.stats
+        if kind == "greedy-graphs":
+            out = oasis_hf.decode_generate(model, inputs["input_ids"], inputs["attention_mask"], cache=cache,
+                                           max_new_tokens=gen["max_new_tokens"], pad_token_id=pad)
+            return out, None
         extra = {"assistant_model": draft} if kind == "assisted" else {}
         cache = cache if cache is not None else DynamicCache(config=model.config)
         return model.generate(**inputs, **gen, **extra, **{_compat.cache_kwarg(model): cache}), None
@@ -129,7 +134,8 @@ def main() -> None:
     gen = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=pad)
     with torch.inference_mode():
         generate("greedy", None)
-        for kind, selector in (("greedy", "current-query"), ("speculative", "lookahead"),
+        for kind, selector in (("greedy", "current-query"), ("greedy-graphs", "current-query"),
+                               ("speculative", "lookahead"),
                                ("speculative-target-graphs", "lookahead")):
             try:  # a path that fails here fails again in its timed row, which records the error
                 with oasis_hf.OasisCache(model.config, cfg(selector)) as cache:
@@ -141,7 +147,9 @@ def main() -> None:
         inputs, keys = batch_prompts(tokenizer, args.context, batch, device)
         gen = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad)
         variants = [("greedy, DynamicCache", "greedy", None),
-                    (f"greedy, OasisCache current-query @{args.budget}", "greedy", "current-query")]
+                    (f"greedy, OasisCache current-query @{args.budget}", "greedy", "current-query"),
+                    (f"greedy, OasisCache current-query @{args.budget}, whole-step graphs (decode_generate)",
+                     "greedy-graphs", "current-query")]
         if batch == 1:
             variants.append(("HF assisted (draft), DynamicCache", "assisted", None))
         variants += [("speculative_generate, DynamicCache", "speculative", None),
