@@ -28,7 +28,7 @@ from oasis_hf import _compat
 from oasis_hf.cache.layer import OasisLayer
 from oasis_hf.cache.oasis_cache import OasisCache
 from oasis_hf.cache.pinned import capturing
-from oasis_hf.draft import positions
+from oasis_hf.draft import forward_logits, positions
 from oasis_hf.errors import UnsupportedError
 
 logger = logging.getLogger(__name__)
@@ -251,13 +251,11 @@ def decode_generate(
     eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=device).long().flatten()
     pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
     runner = DecodeGraph(model, cache)
-    kwarg = _compat.cache_kwarg(model)
-    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions(mask, input_ids.shape[1]),
-                   use_cache=True, **{kwarg: cache}, **_compat.last_logits_only(model)).logits
+    logits = forward_logits(model, input_ids, mask, cache, last_only=True)
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
     new = []
     for step in range(max_new_tokens):
-        last = logits[:, -1].float()
+        last = logits[:, -1]
         if do_sample:
             token = torch.multinomial(torch.softmax(last / temperature, -1), 1, generator=generator).squeeze(-1)
         else:

@@ -39,7 +39,7 @@ from transformers import DynamicCache
 
 from oasis_hf import _compat
 from oasis_hf.decode_graph import DecodeGraph
-from oasis_hf.draft import make_draft, positions
+from oasis_hf.draft import forward_logits, make_draft, positions
 from oasis_hf.errors import UnsupportedError
 
 logger = logging.getLogger(__name__)
@@ -71,15 +71,6 @@ class SpeculativeStats:
 class SpeculativeOutput:
     sequences: torch.Tensor  # (B, prompt + new) token ids, left padding kept, `pad_token_id` after EOS
     stats: SpeculativeStats
-
-
-def _forward(model, ids, mask, cache, kwarg: str, last_only: bool = False) -> torch.Tensor:
-    """Logits (B, T, V) of `ids` (B, T) appended to `cache` ((B, 1, V) with `last_only`); positions from the 2-D
-    `mask` (B, L) as in generate."""
-    extra = _compat.last_logits_only(model) if last_only else {}
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask, ids.shape[1]), use_cache=True,
-                **{kwarg: cache}, **extra)
-    return out.logits.float()
 
 
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -192,7 +183,6 @@ def speculative_generate(
         runner = DecodeGraph(model, cache)
     drafter = None if draft_model is None else make_draft(draft_model, batch, max_len, device, draft_cuda_graphs,
                                                           draft_cache)
-    kw_target = _compat.cache_kwarg(model)
     eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=device).long().flatten()
     pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
     stats = SpeculativeStats(accepted_per_sequence=[0] * batch)
@@ -204,7 +194,7 @@ def speculative_generate(
         return probs_or_logits.argmax(-1)
 
     # Prefill both models on the prompt; the target's last logits give the first new token.
-    logits = _forward(model, input_ids, mask, cache, kw_target, last_only=True)[:, -1, :vocab]
+    logits = forward_logits(model, input_ids, mask, cache, last_only=True)[:, -1, :vocab]
     if drafter is not None and input_ids.shape[1] > 1:
         drafter.prefill(input_ids[:, :-1], mask[:, :-1])
     last = choose(_probs(logits, temperature) if do_sample else logits)  # (B,) first new token, not in any cache
@@ -232,7 +222,7 @@ def speculative_generate(
         if runner is not None:
             t_logits = runner(verify_ids, positions(verify_mask, k + 1)).float()[:, :, :vocab]
         else:
-            t_logits = _forward(model, verify_ids, verify_mask, cache, kw_target)[:, :, :vocab]  # (B, k+1, V)
+            t_logits = forward_logits(model, verify_ids, verify_mask, cache)[:, :, :vocab]  # (B, k+1, V)
         if do_sample:
             p = _probs(t_logits, temperature)
             q, ok = None, draft_ids.bool()  # a plain round: nothing to accept, the token is sampled from p
