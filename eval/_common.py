@@ -127,8 +127,16 @@ def write_results(path: Path, payload: dict, table: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     from eval.plot import result_path
 
-    result_path(path, ".json").write_text(json.dumps(payload, indent=2, default=str))
-    result_path(path, ".md").write_text(table + "\n")
+    _write_atomic(result_path(path, ".json"), json.dumps(payload, indent=2, default=str))
+    _write_atomic(result_path(path, ".md"), table + "\n")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write through a temporary file and a rename: a run killed mid-write (a time limit) leaves the previous file
+    whole, which ``--resume`` runs read back."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,12 @@
     python -m eval.accuracy --preset cpu-smollm2-2k --out eval/results/accuracy_cpu_smollm2_2k
 
 Generates the suite (`oasis_hf.tasks`) for the preset's model tokenizer, loads the model once, and runs every
-(length, method, budget) through ``lm_eval.simple_evaluate`` with the ``oasis`` model (`OasisLM`), so all methods see
-the same prompts under the same harness. Writes, after every such row, a markdown table (the suite average per
-method and budget over the lengths measured, then every row per task, 0-100) and JSON; at the end a PNG (average
-against the budget per method). ``--resume`` keeps the rows already written at ``--out`` and runs the others, so a
+(length, method, budget, task) through ``lm_eval.simple_evaluate`` with the ``oasis`` model (`OasisLM`), so all
+methods see the same prompts under the same harness. Writes, after every task, a markdown table (the suite average
+per method and budget over the lengths measured, then every (length, method, budget) row per task, 0-100) and JSON;
+at the end a PNG (average against the budget per method). A row's average appears once all its tasks are in; rows
+still missing tasks are listed per task and left out of the summary. ``--resume`` keeps the task scores already
+written at ``--out`` and runs the others (a time limit loses at most the task in flight), so a
 preset larger than one GPU session (``gpu-qwen-1.5b``: 22 method-budget pairs x 3 lengths x 9 tasks x 50 samples,
 about 30,000 requests) is completed over several sessions, and ``--lengths/--budgets/--methods`` pick a part of it.
 On CUDA the OasisKV rows decode through whole-model CUDA graphs (`oasis_hf.decode_generate`, or
@@ -15,9 +17,9 @@ of the host time per step); ``--eager`` uses transformers' ``generate`` instead.
 ``generate``.
 
 ``--parts N`` runs the preset as N worker processes (one GPU each when the machine has N) that claim rows from a
-shared list as they go (a row's claim is a file created exclusively under ``<out>.claims/``), each writing its own
-``<out>.partK`` files, then merges them into ``--out``: on an 8-GPU machine the 30,000 requests take about an
-eighth of the time. A worker that dies leaves its claimed row undone; ``--resume`` runs it next time.
+shared list as they go (a (row, task)'s claim is a file created exclusively under ``<out>.claims/``), each writing its
+own ``<out>.partK`` files, then merges them into ``--out``: on an 8-GPU machine the 30,000 requests take about an
+eighth of the time. A worker that dies leaves its claimed task undone; ``--resume`` runs it next time.
 
 kvpress presses (SnapKV, expected attention) run through kvpress's own API at the same KV size (``budget`` prompt
 tokens per layer and head); kvpress 0.5.5 needs a transformers that passes ``past_key_values`` to attention modules
@@ -103,7 +105,7 @@ def main() -> None:
         if getattr(args, key):
             preset[key] = getattr(args, key)
     rows = load_previous(args, preset) if args.resume else []
-    done = {row_key(r) for r in rows}
+    previous = {row_key(r): r for r in rows}  # what --out holds: its tasks are not run again
     if args.part is not None:  # a worker: the merged rows are the parent's; this one writes only its own
         rows, args.out = [], part_path(args.out, args.part)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -113,34 +115,53 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="oasis_suite_") as tmp:
         suite = write_suite(tmp, tokenizer, preset["lengths"], preset["samples"])
         manager = TaskManager(include_path=str(suite))
-        for length in preset["lengths"]:  # one harness call per (length, method, budget): each is a finished row
-            tasks = [f"oasis_ruler_{task}_{length}" for task in TASKS]
+        # One harness call per (length, method, budget, task): each finished task is written at once, so a time
+        # limit loses at most the task in flight, and a row's average appears when all its tasks are in.
+        for length in preset["lengths"]:
             for method in preset["methods"]:
                 fields = dict(METHODS[method])
                 if fields.pop("draft", False):
                     fields["draft_model"] = draft
                 batch_size = fields.pop("batch_size", preset["batch_size"])
                 for budget in ([None] if fields.get("dense") else preset["budgets"]):
-                    if (method, budget or "full", length) in done:
+                    key = (method, budget or "full", length)
+                    todo = [t for t in TASKS if t not in previous.get(key, {})]
+                    if not todo:
                         logger.info("%s @%s, %d tokens: in %s already", method, budget, length, args.out)
                         continue
-                    if args.part is not None and not claim(args.out, (method, budget or "full", length)):
-                        continue  # another worker has it
-                    lm = OasisLM(pretrained=model, tokenizer=tokenizer, budget=budget or 2048, device=device,
-                                 batch_size=batch_size, graphs=preset["whole_step_graphs"], **fields)
-                    out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager)
-                    scores = {name.removeprefix("oasis_ruler_").removesuffix(f"_{length}"): value["score,none"]
-                              for name, value in out["results"].items() if name in tasks}
-                    row = {"method": method, "budget": budget or "full", "length": length,
-                           "average": sum(scores.values()) / len(scores), **scores}
-                    logger.info("%s @%s, %d tokens: %.1f", method, budget, length, row["average"])
-                    rows.append(row)
-                    report(args, preset, model, rows, lm_eval.__version__, final=False)
+                    lm = None
+                    for task in todo:
+                        if args.part is not None and not claim(args.out, (*key, task)):
+                            continue  # another worker has it
+                        if lm is None:
+                            lm = OasisLM(pretrained=model, tokenizer=tokenizer, budget=budget or 2048,
+                                         device=device, batch_size=batch_size, graphs=preset["whole_step_graphs"],
+                                         **fields)
+                        name = f"oasis_ruler_{task}_{length}"
+                        out = lm_eval.simple_evaluate(model=lm, tasks=[name], task_manager=manager)
+                        row = next((r for r in rows if row_key(r) == key), None)
+                        if row is None:
+                            row = {"method": method, "budget": budget or "full", "length": length,
+                                   **{t: v for t, v in previous.get(key, {}).items() if t in TASKS}}
+                            rows.append(row)
+                        row[task] = out["results"][name]["score,none"]
+                        complete_row(row)
+                        logger.info("%s @%s, %d tokens, %s: %.1f%s", method, budget, length, task, row[task],
+                                    f" (row average {row['average']:.1f})" if "average" in row else "")
+                        report(args, preset, model, rows, lm_eval.__version__, final=False)
     report(args, preset, model, rows, lm_eval.__version__, final=True)
 
 
 def row_key(row: dict) -> tuple:
     return row["method"], row["budget"], row["length"]
+
+
+def complete_row(row: dict) -> dict:
+    """Set ``row["average"]`` (mean over the suite's tasks) once every task of the suite has a score in `row`;
+    a row still missing tasks has no average (it is listed per task, left out of the summary and the plot)."""
+    if all(task in row for task in TASKS):
+        row["average"] = sum(row[task] for task in TASKS) / len(TASKS)
+    return row
 
 
 def part_path(out: Path, part: int) -> Path:
@@ -165,12 +186,18 @@ def claim(out: Path, key: tuple) -> bool:
 
 
 def merge_rows(*row_lists: list[dict]) -> list[dict]:
-    """Rows of several runs, one per (method, budget, length), the first seen kept."""
+    """Rows of several runs, one per (method, budget, length): their task scores united (the first seen score of a
+    task kept), the average set where the union covers every task."""
     merged: dict[tuple, dict] = {}
     for rows in row_lists:
         for row in rows:
-            merged.setdefault(row_key(row), row)
-    return list(merged.values())
+            into = merged.setdefault(row_key(row), {k: row[k] for k in ("method", "budget", "length")})
+            for task in TASKS:
+                if task in row:
+                    into.setdefault(task, row[task])
+            if "average" in row and not any(task in row for task in TASKS):  # a row written without its tasks
+                into.setdefault("average", row["average"])
+    return [complete_row(row) for row in merged.values()]
 
 
 def worker_gpu(part: int, visible: str | None) -> str:
@@ -295,6 +322,8 @@ def summarize(rows: list[dict]) -> list[dict]:
     """Per (method, budget): the average over the lengths measured so far (which ones, in ``lengths``)."""
     out: dict[tuple, dict] = {}
     for row in rows:
+        if "average" not in row:  # tasks still missing
+            continue
         entry = out.setdefault((row["method"], row["budget"]), {"method": row["method"], "budget": row["budget"],
                                                                  "scores": {}})
         entry["scores"][row.get("length", 0)] = row["average"]  # results from before per-length rows: 0

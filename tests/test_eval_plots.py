@@ -67,18 +67,29 @@ def test_accuracy_summary_and_resume_guard(tmp_path):
 def test_accuracy_parts_claim_each_row_once_and_merge(tmp_path):
     """--parts plumbing: a row is claimed by exactly one worker, workers' rows merge one per key, the worker command
     drops --parts, and a dotted --out keeps its name (accuracy_qwen_1.5b -> accuracy_qwen_1.5b.json)."""
-    from eval.accuracy import claim, claims_dir, merge_rows, part_path, worker_argv, worker_gpu
+    from eval.accuracy import claim, claims_dir, complete_row, merge_rows, part_path, summarize, worker_argv, worker_gpu
     from eval.plot import result_path
+    from oasis_hf.tasks import TASKS
 
     out = tmp_path / "accuracy_qwen_1.5b"
-    key = ("kvpress SnapKV", 512, 8192)
+    key = ("kvpress SnapKV", 512, 8192, "vt")
     assert claim(part_path(out, 0), key) and not claim(part_path(out, 1), key) and not claim(out, key)
     assert claim(part_path(out, 1), ("dense", "full", 8192))
     assert claims_dir(part_path(out, 3)) == claims_dir(out) == tmp_path / "accuracy_qwen_1.5b.claims"
-    a = [{"method": "dense", "budget": "full", "length": 8192, "average": 1.0}]
+    a = [{"method": "dense", "budget": "full", "length": 8192, "average": 1.0}]  # written without its tasks
     b = [{"method": "dense", "budget": "full", "length": 8192, "average": 2.0},
          {"method": "dense", "budget": "full", "length": 16384, "average": 3.0}]
     assert [r["average"] for r in merge_rows(a, b)] == [1.0, 3.0]
+    # Workers finish different tasks of one row: the merge unites them; the average appears with the last task.
+    names = list(TASKS)
+    first = [{"method": "dense", "budget": "full", "length": 8192, **{t: 10.0 for t in names[:4]}}]
+    second = [{"method": "dense", "budget": "full", "length": 8192, **{t: 40.0 for t in names[3:-1]}}]
+    partial = merge_rows(first, second)
+    assert len(partial) == 1 and "average" not in partial[0] and partial[0][names[3]] == 10.0
+    assert summarize(partial) == []  # a row missing a task is not averaged
+    done = merge_rows(partial, [{"method": "dense", "budget": "full", "length": 8192, names[-1]: 100.0}])
+    assert done[0]["average"] == pytest.approx((4 * 10.0 + 4 * 40.0 + 100.0) / len(names))
+    assert complete_row({"method": "dense", names[0]: 1.0}) == {"method": "dense", names[0]: 1.0}
     assert [worker_gpu(k, "4,5, 6") for k in range(3)] == ["4", "5", "6"]
     assert worker_gpu(1, None) == worker_gpu(1, "") == "1"
     assert worker_argv(["--preset", "gpu-qwen-1.5b", "--parts", "8", "--out", "x", "--parts=2"]) == [
