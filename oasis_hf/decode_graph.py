@@ -181,19 +181,18 @@ class DecodeGraph:
         stream = self.cache._capture_stream(device)
         current = torch.cuda.current_stream(device)
         stream.wait_stream(current)
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), capturing():  # before capture_begin: no collection inside the capture
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-            with capturing():
-                try:
-                    logits = self._forward(static_ids, static_pos)
-                except BaseException:
-                    self._forked.clear()
-                    try:  # the capture is invalid: end it quietly and raise the error that broke it
-                        graph.capture_end()
-                    except Exception:  # noqa: BLE001
-                        logger.debug("capture_end after a failed whole-step capture", exc_info=True)
-                    raise
-                graph.capture_end()
+            try:
+                logits = self._forward(static_ids, static_pos)
+            except BaseException:
+                self._forked.clear()
+                try:  # the capture is invalid: end it quietly and raise the error that broke it
+                    graph.capture_end()
+                except Exception:  # noqa: BLE001
+                    logger.debug("capture_end after a failed whole-step capture", exc_info=True)
+                raise
+            graph.capture_end()
         current.wait_stream(stream)
         logger.info("DecodeGraph: captured T=%d (%d layers)", input_ids.shape[1], len(self.cache.oasis_layers))
         return _Captured(graph, static_ids, static_pos, logits, epoch)

@@ -27,6 +27,60 @@ def test_release_during_capture_is_deferred_then_done(monkeypatch):
     assert done == [data] and pinned._deferred == []
 
 
+def test_capturing_turns_the_cyclic_collector_off_until_the_last_capture_ends():
+    """Nested captures (a job graph inside a whole-step capture): the collector is off from the first entry to the
+    last exit, then back in the state it had; it stays off after if it was off before."""
+    assert gc.isenabled()
+    with pinned.capturing():
+        assert not gc.isenabled()
+        with pinned.capturing():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with pinned.capturing():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError, match="boom"), pinned.capturing():
+        raise RuntimeError("boom")
+    assert gc.isenabled()
+
+
+@pytest.mark.gpu
+def test_garbage_graph_is_not_destroyed_inside_a_capture():
+    """An old CUDA graph only the cyclic collector can free (a closed request's cache, in a reference cycle) while
+    allocations inside a new capture would trigger a collection: destroying a graph mid-capture invalidates the
+    capture ("operation failed due to a previous error during capture", seen in the accuracy runs); inside
+    `capturing` the collection waits until the capture ends."""
+    x = torch.ones(4, device="cuda")
+    old = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(old):
+        x * 3
+    cycle = [old]
+    cycle.append(cycle)
+    del old, cycle
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    thresholds = gc.get_threshold()
+    try:
+        with torch.cuda.stream(stream), pinned.capturing():
+            graph.capture_begin(capture_error_mode="thread_local")
+            y = x * 2
+            gc.set_threshold(1)
+            _ = [[] for _ in range(1000)]  # container allocations: a collection at each, were the collector on
+            graph.capture_end()
+    finally:
+        gc.set_threshold(*thresholds)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, x * 2)
+    assert gc.collect() > 0  # the cycle was still there, freed now
+
+
 @pytest.mark.gpu
 def test_pinned_release_inside_a_real_capture():
     """What a garbage collection of an old cache does in the middle of a decode step's capture."""

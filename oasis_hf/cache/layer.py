@@ -342,6 +342,11 @@ class OasisLayer(CacheLayerMixin):
             out = self._decode_step(query, key, value, start, scale, write_back=False)
         if self.cache.selector.asynchronous:
             stream = step.fork(self.device)
+            if stream is not None:
+                # `query` comes from the compute stream and dies there after this layer, while the job still reads
+                # it on the prefetch stream: without this the next layers' allocations (in a capture, the graph's
+                # pool) reuse its memory under the job, which then scores garbage and picks other blocks.
+                query.record_stream(stream)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 self._job(query, start, num_tokens, scale)
         return out
@@ -701,24 +706,24 @@ def _capture(layer: OasisLayer, kind: str, stream: torch.cuda.Stream, fn):
     """Capture `fn()` on `stream` into a new CUDA graph in the cache's `kind` pool; returns (graph, fn's result).
 
     ``thread_local``: the prefetch worker may call the CUDA API (allocations) on its own stream meanwhile;
-    `capturing`: a collected cache's host buffers are unregistered after the capture, not inside it."""
+    `capturing` (entered before ``capture_begin``): a collected cache's host buffers are unregistered, and its
+    graphs destroyed, after the capture, not inside it."""
     device = layer.device
     graph = torch.cuda.CUDAGraph()
     stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream), capturing():
         graph.capture_begin(pool=layer.cache._graph_pool(device, kind), capture_error_mode="thread_local")
-        with capturing():
+        try:
+            result = fn()
+        except BaseException:
+            # A failed capture makes capture_end raise "operation failed due to a previous error during
+            # capture", which would hide the error that broke it: end it quietly and raise the real one.
             try:
-                result = fn()
-            except BaseException:
-                # A failed capture makes capture_end raise "operation failed due to a previous error during
-                # capture", which would hide the error that broke it: end it quietly and raise the real one.
-                try:
-                    graph.capture_end()
-                except Exception:  # noqa: BLE001 - the capture is invalid either way
-                    logger.debug("capture_end after a failed %s capture", kind, exc_info=True)
-                raise
-            graph.capture_end()
+                graph.capture_end()
+            except Exception:  # noqa: BLE001 - the capture is invalid either way
+                logger.debug("capture_end after a failed %s capture", kind, exc_info=True)
+            raise
+        graph.capture_end()
     torch.cuda.current_stream(device).wait_stream(stream)
     return graph, result
 

@@ -17,6 +17,7 @@ therefore deferred and carried out at the next safe point: the end of the captur
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import sys
@@ -33,6 +34,7 @@ _HOST_REGISTER_MAPPED = 0x02  # cudaHostRegisterMapped
 _deferred: list[torch.Tensor] = []  # buffers whose release arrived during a CUDA graph capture
 _deferred_lock = threading.Lock()
 _captures = 0  # captures of this package in progress, on any thread (see `capturing`)
+_gc_was_enabled = True  # the collector's state when the first of them began
 
 
 class PinnedBuffer:
@@ -88,16 +90,28 @@ def release_deferred() -> int:
 
 @contextlib.contextmanager
 def capturing():
-    """Mark a CUDA graph capture of this package: releases on any thread (a collection on the prefetch worker, say)
-    wait until it ends; `release_deferred` runs on exit."""
-    global _captures
+    """Mark a CUDA graph capture of this package (enter it before ``capture_begin``, leave it after ``capture_end``).
+
+    - Releases of pinned host memory on any thread (a collection on the prefetch worker, say) wait until it ends;
+      `release_deferred` runs on exit.
+    - Python's cyclic garbage collector is off meanwhile: a collection triggered by an allocation inside the
+      capture would destroy unreachable objects there, among them the CUDA graphs of a cache from an earlier
+      request, and destroying a graph is not permitted during a capture (it invalidates it: "operation failed due
+      to a previous error during capture"). Reference counting still frees what it frees; the collector runs
+      again after the capture."""
+    global _captures, _gc_was_enabled
     with _deferred_lock:
+        if _captures == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
         _captures += 1
     try:
         yield
     finally:
         with _deferred_lock:
             _captures -= 1
+            if _captures == 0 and _gc_was_enabled:
+                gc.enable()
         release_deferred()
 
 
