@@ -48,8 +48,8 @@ def environment() -> dict:
         # Sources that differ from that commit (uncommitted edits, or a copied tree over stale git metadata, as on
         # the GPU machine): then git_sha does not name what ran, source_sha256 does.
         env["sources_differ_from_git_sha"] = bool(subprocess.run(
-            ["git", "status", "--porcelain", "--", ":(glob)oasis_hf/**/*.py", ":(glob)eval/*.py"], capture_output=True, text=True,
-            check=True).stdout.strip())
+            ["git", "status", "--porcelain", "--", ":(glob)oasis_hf/**/*.py", ":(glob)eval/*.py"],
+            capture_output=True, text=True, check=True).stdout.strip())
     except (OSError, subprocess.CalledProcessError):
         env["git_sha"] = None
     # A copy of the working tree (the GPU machine's) may carry stale git metadata or uncommitted changes: record what
