@@ -37,6 +37,23 @@ def _decode(model, cache, ids, mask, steps: int, graph: bool, device="cpu") -> t
     return torch.cat(tokens, dim=1)
 
 
+def _graph_path_matches(model, ids, mask, steps: int, fields: dict, inspect=None) -> dict:
+    """Decode `steps` tokens plainly, then through a DecodeGraph, each on a fresh cache of `fields`: asserts the same
+    tokens and the same number of blocks fetched; returns the DecodeGraph run's statistics (`inspect(cache)` sees
+    its cache before it closes)."""
+    with oasis_cache(model, **fields) as cache:
+        ref = _decode(model, cache, ids, mask, steps, graph=False)
+        ref_fetched = cache.stats.summary()["fetched_blocks"]
+    with oasis_cache(model, **fields) as cache:
+        out = _decode(model, cache, ids, mask, steps, graph=True)
+        stats = cache.stats.summary()
+        if inspect is not None:
+            inspect(cache)
+    assert torch.equal(out, ref)
+    assert stats["fetched_blocks"] == ref_fetched
+    return stats
+
+
 @pytest.mark.parametrize(("family", "selector"), [("llama", "lookahead"), ("llama", "current-query"),
                                                  ("llama", "static"), ("qwen2", "lookahead"), ("qwen3", "lookahead")])
 def test_whole_step_path_equals_ordinary_decoding(family, selector):
@@ -45,18 +62,14 @@ def test_whole_step_path_equals_ordinary_decoding(family, selector):
     model = tiny_model(family, attn="oasis")
     ids, mask = left_padded([200, 170], seed=3)
     fields = dict(SMALL, selector=selector, host_growth_tokens=16)
-    with oasis_cache(model, **fields) as cache:
-        ref = _decode(model, cache, ids, mask, 20, graph=False)
-        ref_fetched = cache.stats.summary()["fetched_blocks"]
-    with oasis_cache(model, **fields) as cache:
-        out = _decode(model, cache, ids, mask, 20, graph=True)
-        stats = cache.stats.summary()
+
+    def inspect(cache):
         for layer in cache.oasis_layers:
             layer.table.check()
             assert layer.length == 200 + 20
         assert cache.host.capacity_blocks > 13, "the store should have grown while decoding"
-    assert torch.equal(out, ref)
-    assert stats["fetched_blocks"] == ref_fetched
+
+    stats = _graph_path_matches(model, ids, mask, 20, fields, inspect)
     assert stats["decode_layer_steps"] == 20 * 2
 
 
@@ -100,18 +113,10 @@ def test_decode_graph_replays_on_cuda_and_stays_exact(selector):
     model = tiny_model("llama", attn="oasis", device="cuda", dtype=torch.bfloat16)
     ids, mask = left_padded([300, 260], seed=5)
     ids, mask = ids.cuda(), mask.cuda()
-    fields = dict(SMALL, selector=selector, host_growth_tokens=64)
-    with oasis_cache(model, **fields) as cache:
-        ref = _decode(model, cache, ids, mask, 40, graph=False)
-        ref_fetched = cache.stats.summary()["fetched_blocks"]
-    with oasis_cache(model, **fields) as cache:
-        out = _decode(model, cache, ids, mask, 40, graph=True)
-        stats = cache.stats.summary()
-        assert stats["graph_replays"] > 0
-    assert torch.equal(out, ref)
-    # The same blocks moved: a job forked onto the prefetch stream inside the graph once read its step's queries
-    # after the next layers had reused their memory (fewer, other blocks fetched; tokens only sometimes changed).
-    assert stats["fetched_blocks"] == ref_fetched
+    # Same tokens and the same blocks moved: a job forked onto the prefetch stream inside the graph once read its
+    # step's queries after the next layers had reused their memory (other blocks fetched; tokens sometimes changed).
+    stats = _graph_path_matches(model, ids, mask, 40, dict(SMALL, selector=selector, host_growth_tokens=64))
+    assert stats["graph_replays"] > 0
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
