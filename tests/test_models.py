@@ -1,0 +1,69 @@
+"""`oasis_hf.models`: the dequantized weights of a packaged GGUF are kept and reused (no GGUF in CI: the GGUF
+reader is replaced by a tiny random model; saving and reading the converted folder are transformers' own)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import transformers
+
+from oasis_hf import models
+from tests._factories import tiny_model
+
+
+@pytest.fixture
+def gguf_reader(monkeypatch):
+    """``from_pretrained(..., gguf_file=...)`` returns a tiny Llama and counts the calls; others run for real."""
+    real = transformers.AutoModelForCausalLM.from_pretrained
+    calls = []
+
+    def from_pretrained(name, *args, **kwargs):
+        if "gguf_file" in kwargs:
+            calls.append(kwargs["gguf_file"])
+            return tiny_model("llama").to(kwargs.get("dtype", torch.float32))
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    return calls
+
+
+def _same_weights(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_dequantized_weights_are_kept_per_dtype_and_reused(tmp_path, gguf_reader):
+    path = tmp_path / "m" / "m.gguf"
+    path.parent.mkdir()
+    path.write_bytes(b"GGUF")
+    first = models.converted_model(path, torch.bfloat16, "abc")
+    assert gguf_reader == ["m.gguf"] and (path.parent / "converted-bfloat16" / "converted-from.txt").is_file()
+    again = models.converted_model(path, torch.bfloat16, "abc")
+    assert gguf_reader == ["m.gguf"], "the second load must read the kept folder, not the GGUF"
+    assert again.dtype == torch.bfloat16 and _same_weights(first, again)
+    models.converted_model(path, torch.float32, "abc")  # another dtype: its own folder
+    assert len(gguf_reader) == 2 and (path.parent / "converted-float32").is_dir()
+    models.converted_model(path, torch.bfloat16, "new-sha")  # the GGUF changed: converted again, the mark updated
+    assert len(gguf_reader) == 3
+    assert (path.parent / "converted-bfloat16" / "converted-from.txt").read_text().split() == ["m.gguf", "new-sha"]
+    assert not list(path.parent.glob("*.partial"))
+
+
+def test_a_killed_save_is_not_used_and_a_failed_save_still_loads(tmp_path, gguf_reader, monkeypatch, caplog):
+    path = tmp_path / "m" / "m.gguf"
+    path.parent.mkdir()
+    path.write_bytes(b"GGUF")
+    (path.parent / "converted-float32").mkdir()  # a folder without its mark: a save that did not finish
+    models.converted_model(path, torch.float32, "abc", cache=False)
+    assert gguf_reader == ["m.gguf"] and not (path.parent / "converted-float32" / "converted-from.txt").exists()
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(models, "_save_dense", full_disk)
+    with caplog.at_level(logging.WARNING, logger="oasis_hf.models"):
+        model = models.converted_model(path, torch.float32, "abc")
+    assert isinstance(model, transformers.PreTrainedModel)
+    assert "No space left" in caplog.text and not list(path.parent.glob("*.partial"))
