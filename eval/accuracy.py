@@ -36,7 +36,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -112,44 +111,67 @@ def main() -> None:
     preset["whole_step_graphs"] = device.startswith("cuda") and not args.eager
     model, tokenizer = models.load(preset["model"], device=device)
     draft = models.load(preset["draft"], device=device)[0] if preset["draft"] else None
-    with tempfile.TemporaryDirectory(prefix="oasis_suite_") as tmp:
-        suite = write_suite(tmp, tokenizer, preset["lengths"], preset["samples"])
-        manager = TaskManager(include_path=str(suite))
-        # One harness call per (length, method, budget, task): each finished task is written at once, so a time
-        # limit loses at most the task in flight, and a row's average appears when all its tasks are in.
-        for length in preset["lengths"]:
-            for method in preset["methods"]:
-                fields = dict(METHODS[method])
-                if fields.pop("draft", False):
-                    fields["draft_model"] = draft
-                batch_size = fields.pop("batch_size", preset["batch_size"])
-                for budget in ([None] if fields.get("dense") else preset["budgets"]):
-                    key = (method, budget or "full", length)
-                    todo = [t for t in TASKS if t not in previous.get(key, {})]
-                    if not todo:
-                        logger.info("%s @%s, %d tokens: in %s already", method, budget, length, args.out)
-                        continue
-                    lm = None
-                    for task in todo:
-                        if args.part is not None and not claim(args.out, (*key, task)):
-                            continue  # another worker has it
-                        if lm is None:
-                            lm = OasisLM(pretrained=model, tokenizer=tokenizer, budget=budget or 2048,
-                                         device=device, batch_size=batch_size, graphs=preset["whole_step_graphs"],
-                                         **fields)
-                        name = f"oasis_ruler_{task}_{length}"
-                        out = lm_eval.simple_evaluate(model=lm, tasks=[name], task_manager=manager)
-                        row = next((r for r in rows if row_key(r) == key), None)
-                        if row is None:
-                            row = {"method": method, "budget": budget or "full", "length": length,
-                                   **{t: v for t, v in previous.get(key, {}).items() if t in TASKS}}
-                            rows.append(row)
-                        row[task] = out["results"][name]["score,none"]
-                        complete_row(row)
-                        logger.info("%s @%s, %d tokens, %s: %.1f%s", method, budget, length, task, row[task],
-                                    f" (row average {row['average']:.1f})" if "average" in row else "")
-                        report(args, preset, model, rows, lm_eval.__version__, final=False)
+    suite = cached_suite(tokenizer, preset["model"], preset["lengths"], preset["samples"])
+    manager = TaskManager(include_path=str(suite))
+    # One harness call per (length, method, budget, task): each finished task is written at once, so a time
+    # limit loses at most the task in flight, and a row's average appears when all its tasks are in.
+    for length in preset["lengths"]:
+        for method in preset["methods"]:
+            fields = dict(METHODS[method])
+            if fields.pop("draft", False):
+                fields["draft_model"] = draft
+            batch_size = fields.pop("batch_size", preset["batch_size"])
+            for budget in ([None] if fields.get("dense") else preset["budgets"]):
+                key = (method, budget or "full", length)
+                todo = [t for t in TASKS if t not in previous.get(key, {})]
+                if not todo:
+                    logger.info("%s @%s, %d tokens: in %s already", method, budget, length, args.out)
+                    continue
+                lm = None
+                for task in todo:
+                    if args.part is not None and not claim(args.out, (*key, task)):
+                        continue  # another worker has it
+                    if lm is None:
+                        lm = OasisLM(pretrained=model, tokenizer=tokenizer, budget=budget or 2048,
+                                     device=device, batch_size=batch_size, graphs=preset["whole_step_graphs"],
+                                     **fields)
+                    name = f"oasis_ruler_{task}_{length}"
+                    out = lm_eval.simple_evaluate(model=lm, tasks=[name], task_manager=manager)
+                    row = next((r for r in rows if row_key(r) == key), None)
+                    if row is None:
+                        row = {"method": method, "budget": budget or "full", "length": length,
+                               **{t: v for t, v in previous.get(key, {}).items() if t in TASKS}}
+                        rows.append(row)
+                    row[task] = out["results"][name]["score,none"]
+                    complete_row(row)
+                    logger.info("%s @%s, %d tokens, %s: %.1f%s", method, budget, length, task, row[task],
+                                f" (row average {row['average']:.1f})" if "average" in row else "")
+                    report(args, preset, model, rows, lm_eval.__version__, final=False)
     report(args, preset, model, rows, lm_eval.__version__, final=True)
+
+
+def cached_suite(tokenizer, model_name: str, lengths: list[int], samples: int) -> Path:
+    """The suite for (the model's tokenizer, `lengths`, `samples`), written once under the model cache
+    (``<OASIS_HF_CACHE>/suites/<key>``) and reused by later runs and by the ``--parts`` workers: generating it tokenizes
+    every prompt (about 20 s per 8k length at 50 samples, minutes at 30k), which every run and worker paid before. The
+    key covers the generator's source, so a changed generator writes a new suite; a file lock makes concurrent workers
+    wait for the first writer, and the folder counts only once its ``complete`` mark is written."""
+    import fcntl
+    import hashlib
+    import inspect
+
+    from oasis_hf.tasks import ruler
+
+    key = hashlib.sha256(json.dumps([model_name, sorted(lengths), samples, inspect.getsource(ruler)]).encode())
+    folder = models.cache_dir() / "suites" / key.hexdigest()[:16]
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "complete").is_file():
+            logger.info("writing the suite (%s tokens, %d samples per task) to %s", lengths, samples, folder)
+            write_suite(folder, tokenizer, sorted(lengths), samples)
+            (folder / "complete").write_text(f"{model_name} {sorted(lengths)} {samples}\n")
+    return folder
 
 
 def row_key(row: dict) -> tuple:

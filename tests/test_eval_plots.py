@@ -112,3 +112,27 @@ def test_handoff_bench_writes_its_three_rows(tmp_path, monkeypatch):
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert [r["jobs"] for r in rows] == ["none", "inline", "thread"]
     assert all(r["ms/step (median)"] > 0 for r in rows)
+
+
+def test_accuracy_suite_is_written_once_per_key_and_reused(tmp_path, monkeypatch):
+    """`cached_suite`: a second run (or --parts worker) reuses the suite; other lengths or samples get their own; a
+    folder without its completion mark (a killed writer) is written again."""
+    from eval import accuracy
+
+    monkeypatch.setenv("OASIS_HF_CACHE", str(tmp_path))
+    written = []
+
+    def fake_write(folder, tokenizer, lengths, samples):
+        written.append((lengths, samples))
+        (folder / "x.yaml").write_text("task: x\n")
+
+    monkeypatch.setattr(accuracy, "write_suite", fake_write)
+    first = accuracy.cached_suite(None, "m", [16384, 8192], 5)
+    assert accuracy.cached_suite(None, "m", [8192, 16384], 5) == first and written == [([8192, 16384], 5)]
+    assert first.parent == tmp_path / "suites" and (first / "complete").is_file()
+    assert accuracy.cached_suite(None, "m", [8192], 5) != first
+    assert accuracy.cached_suite(None, "m", [8192, 16384], 6) != first
+    assert accuracy.cached_suite(None, "other-model", [8192, 16384], 5) != first
+    assert len(written) == 4
+    (first / "complete").unlink()
+    assert accuracy.cached_suite(None, "m", [8192, 16384], 5) == first and len(written) == 5
