@@ -156,7 +156,6 @@ def cached_suite(tokenizer, model_name: str, lengths: list[int], samples: int) -
     every prompt (about 20 s per 8k length at 50 samples, minutes at 30k), which every run and worker paid before. The
     key covers the generator's source, so a changed generator writes a new suite; a file lock makes concurrent workers
     wait for the first writer, and the folder counts only once its ``complete`` mark is written."""
-    import fcntl
     import hashlib
     import inspect
 
@@ -165,8 +164,7 @@ def cached_suite(tokenizer, model_name: str, lengths: list[int], samples: int) -
     key = hashlib.sha256(json.dumps([model_name, sorted(lengths), samples, inspect.getsource(ruler)]).encode())
     folder = models.cache_dir() / "suites" / key.hexdigest()[:16]
     folder.mkdir(parents=True, exist_ok=True)
-    with (folder / ".lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with models.cache_lock(folder / ".lock"):
         if not (folder / "complete").is_file():
             logger.info("writing the suite (%s tokens, %d samples per task) to %s", lengths, samples, folder)
             write_suite(folder, tokenizer, sorted(lengths), samples)

@@ -13,6 +13,8 @@ working: `load` passes anything that is not a registry name to ``from_pretrained
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -190,6 +192,26 @@ def load(name_or_path: str, device: str | None = None, dtype: torch.dtype | None
     return model.to(device).eval(), tokenizer
 
 
+@contextlib.contextmanager
+def cache_lock(path: Path):
+    """An exclusive lock on the file `path` (created if needed) for as long as the block runs: for cache work that
+    several processes may start at once and that one of them should do (POSIX ``flock``; released if the holder
+    dies). Where the file cannot be created (a read-only cache) the block runs unlocked: loading must still work."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = path.open("a")
+    except OSError as exc:
+        logger.debug("no lock at %s (%s): running unlocked", path, exc)
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 _CONVERTED_MARK = "converted-from.txt"  # written last: a folder without it (a killed save) is not used
 
 
@@ -202,8 +224,17 @@ def converted_model(path: Path, dtype: torch.dtype, source_sha256: str, cache: b
 
     folder = path.parent / f"converted-{str(dtype).removeprefix('torch.')}"
     mark = folder / _CONVERTED_MARK
-    if mark.is_file() and mark.read_text().split() == [path.name, source_sha256]:
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    # Processes that load the same model at once (the workers of `eval.accuracy --parts`) convert it once: the
+    # first holds the lock while it converts and saves, the others then read what it kept.
+    with cache_lock(folder.with_name(folder.name + ".lock")):
+        if mark.is_file() and mark.read_text().split() == [path.name, source_sha256]:
+            return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        return _convert(path, folder, dtype, source_sha256, cache)
+
+
+def _convert(path: Path, folder: Path, dtype: torch.dtype, source_sha256: str, cache: bool):
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     packed = sorted({type(m).__name__ for m in model.modules() if "gguf" in type(m).__name__.lower()})
     if cache and packed:  # transformers kept GGUF blocks for a matmul kernel: nothing dense to keep

@@ -67,3 +67,49 @@ def test_a_killed_save_is_not_used_and_a_failed_save_still_loads(tmp_path, gguf_
         model = models.converted_model(path, torch.float32, "abc")
     assert isinstance(model, transformers.PreTrainedModel)
     assert "No space left" in caplog.text and not list(path.parent.glob("*.partial"))
+
+
+def test_packed_gguf_modules_are_not_kept(tmp_path, monkeypatch, caplog):
+    """Where transformers kept GGUF blocks (a matmul kernel was installed) there are no dense weights to save."""
+
+    class GgufLinear(torch.nn.Linear):
+        pass
+
+    def from_pretrained(name, *args, **kwargs):
+        model = tiny_model("llama")
+        model.packed = GgufLinear(2, 2)
+        return model
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    path = tmp_path / "m" / "m.gguf"
+    path.parent.mkdir()
+    path.write_bytes(b"GGUF")
+    with caplog.at_level(logging.INFO, logger="oasis_hf.models"):
+        models.converted_model(path, torch.float32, "abc")
+    assert "GgufLinear" in caplog.text and not (path.parent / "converted-float32").exists()
+
+
+def test_cache_lock_serialises_and_runs_unlocked_where_it_cannot_lock(tmp_path):
+    """Two holders of one lock file run one after the other (flock, one open file each); a lock file that cannot
+    be created (its folder is a file: a read-only cache, say) does not stop the work."""
+    import threading
+    import time
+
+    order = []
+
+    def hold(name):
+        with models.cache_lock(tmp_path / "x.lock"):
+            order.append(f"{name} in")
+            time.sleep(0.2)
+            order.append(f"{name} out")
+
+    first = threading.Thread(target=hold, args=("a",))
+    first.start()
+    time.sleep(0.05)
+    hold("b")
+    first.join()
+    assert order == ["a in", "a out", "b in", "b out"]
+    (tmp_path / "file").write_text("")
+    with models.cache_lock(tmp_path / "file" / "x.lock"):
+        order.append("unlocked")
+    assert order[-1] == "unlocked"
