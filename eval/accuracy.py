@@ -36,6 +36,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -136,16 +137,19 @@ def main() -> None:
                                      device=device, batch_size=batch_size, graphs=preset["whole_step_graphs"],
                                      **fields)
                     name = f"oasis_ruler_{task}_{length}"
+                    started = time.perf_counter()
                     out = lm_eval.simple_evaluate(model=lm, tasks=[name], task_manager=manager)
+                    seconds = time.perf_counter() - started
                     row = next((r for r in rows if row_key(r) == key), None)
                     if row is None:
                         row = {"method": method, "budget": budget or "full", "length": length,
-                               **{t: v for t, v in previous.get(key, {}).items() if t in TASKS}}
+                               **{t: v for t, v in previous.get(key, {}).items() if t in TASKS or t == "seconds"}}
                         rows.append(row)
                     row[task] = out["results"][name]["score,none"]
+                    row.setdefault("seconds", {})[task] = round(seconds, 1)
                     complete_row(row)
-                    logger.info("%s @%s, %d tokens, %s: %.1f%s", method, budget, length, task, row[task],
-                                f" (row average {row['average']:.1f})" if "average" in row else "")
+                    logger.info("%s @%s, %d tokens, %s: %.1f in %.0f s%s", method, budget, length, task, row[task],
+                                seconds, f" (row average {row['average']:.1f})" if "average" in row else "")
                     report(args, preset, model, rows, lm_eval.__version__, final=False)
     report(args, preset, model, rows, lm_eval.__version__, final=True)
 
@@ -207,14 +211,17 @@ def claim(out: Path, key: tuple) -> bool:
 
 def merge_rows(*row_lists: list[dict]) -> list[dict]:
     """Rows of several runs, one per (method, budget, length): their task scores united (the first seen score of a
-    task kept), the average set where the union covers every task."""
+    task kept, with its wall time under ``seconds`` where recorded), the average set where the union covers every
+    task."""
     merged: dict[tuple, dict] = {}
     for rows in row_lists:
         for row in rows:
             into = merged.setdefault(row_key(row), {k: row[k] for k in ("method", "budget", "length")})
             for task in TASKS:
-                if task in row:
-                    into.setdefault(task, row[task])
+                if task in row and task not in into:
+                    into[task] = row[task]
+                    if task in row.get("seconds", {}):
+                        into.setdefault("seconds", {})[task] = row["seconds"][task]
             if "average" in row and not any(task in row for task in TASKS):  # a row written without its tasks
                 into.setdefault("average", row["average"])
     return [complete_row(row) for row in merged.values()]
@@ -320,7 +327,7 @@ def _tables(header: str, rows: list[dict]) -> str:
     table = header + "Suite average per method and budget (mean over the lengths measured):\n\n"
     table += markdown_table(summarize(rows), ["method", "budget", "average", "lengths"] + [f"@{n}" for n in lengths])
     table += "\n\nPer task, length, method and budget:\n\n"
-    tasks = sorted({k for r in rows for k in r} - {"method", "budget", "length", "average"})
+    tasks = sorted({k for r in rows for k in r} - {"method", "budget", "length", "average", "seconds"})
     return table + markdown_table(rows, ["method", "budget", "length", "average", *tasks])
 
 
