@@ -90,8 +90,20 @@ def main() -> None:
     parser.add_argument("--parts", type=int, default=None,
                         help="run as this many worker processes (one GPU each where there are that many), then merge")
     parser.add_argument("--part", type=int, default=None, help=argparse.SUPPRESS)  # a worker of --parts
+    parser.add_argument("--merge", action="store_true",
+                        help="only merge the worker files a stopped --parts run left next to --out into --out "
+                             "(report and plot included); runs nothing (a --parts run also does this first)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.merge:
+        if args.out is None:
+            parser.error("--merge needs --out")
+        files = part_files(args.out)
+        merge_parts(args, preset_of(args), files, resume=True, parts=None)
+        for path in files:  # merged: the rows are in --out now
+            for stale in path.parent.glob(f"{path.name[:-5]}.*"):
+                stale.unlink()
+        return
     if args.parts is not None:
         run_parts(parser, args)
         return
@@ -100,10 +112,7 @@ def main() -> None:
 
     from oasis_hf.integrations.lm_eval import OasisLM
 
-    preset = dict(PRESETS[args.preset])
-    for key in ("samples", "lengths", "budgets", "methods"):
-        if getattr(args, key):
-            preset[key] = getattr(args, key)
+    preset = preset_of(args)
     rows = load_previous(args, preset) if args.resume else []
     previous = {row_key(r): r for r in rows}  # what --out holds: its tasks are not run again
     if args.part is not None:  # a worker: the merged rows are the parent's; this one writes only its own
@@ -113,7 +122,7 @@ def main() -> None:
     model, tokenizer = models.load(preset["model"], device=device)
     draft = models.load(preset["draft"], device=device)[0] if preset["draft"] else None
     suite = cached_suite(tokenizer, preset["model"], preset["lengths"], preset["samples"])
-    manager = TaskManager(include_path=str(suite))
+    manager = TaskManager(include_path=[str(folder) for folder in suite])
     # One harness call per (length, method, budget, task): each finished task is written at once, so a time
     # limit loses at most the task in flight, and a row's average appears when all its tasks are in.
     for length in preset["lengths"]:
@@ -154,26 +163,30 @@ def main() -> None:
     report(args, preset, model, rows, lm_eval.__version__, final=True)
 
 
-def cached_suite(tokenizer, model_name: str, lengths: list[int], samples: int) -> Path:
-    """The suite for (the model's tokenizer, `lengths`, `samples`), written once under the model cache
-    (``<OASIS_HF_CACHE>/suites/<key>``) and reused by later runs and by the ``--parts`` workers: generating it tokenizes
-    every prompt (about 20 s per 8k length at 50 samples, minutes at 30k), which every run and worker paid before. The
-    key covers the generator's source, so a changed generator writes a new suite; a file lock makes concurrent workers
-    wait for the first writer, and the folder counts only once its ``complete`` mark is written."""
+def cached_suite(tokenizer, model_name: str, lengths: list[int], samples: int) -> list[Path]:
+    """The suite for (the model's tokenizer, `lengths`, `samples`) as one folder per length, each written once under
+    the model cache (``<OASIS_HF_CACHE>/suites/<key>``) and reused by later runs, whatever other lengths they ask for,
+    and by the ``--parts`` workers: generating it tokenizes every prompt (about 20 s per 8k length at 50 samples,
+    minutes at 30k). The key covers the generator's source, so a changed generator writes a new suite; a file lock
+    makes concurrent workers wait for the first writer, and a folder counts only once its ``complete`` mark is
+    written. Pass the list to lm-eval's ``TaskManager(include_path=...)``."""
     import hashlib
     import inspect
 
     from oasis_hf.tasks import ruler
 
-    key = hashlib.sha256(json.dumps([model_name, sorted(lengths), samples, inspect.getsource(ruler)]).encode())
-    folder = models.cache_dir() / "suites" / key.hexdigest()[:16]
-    folder.mkdir(parents=True, exist_ok=True)
-    with models.cache_lock(folder / ".lock"):
-        if not (folder / "complete").is_file():
-            logger.info("writing the suite (%s tokens, %d samples per task) to %s", lengths, samples, folder)
-            write_suite(folder, tokenizer, sorted(lengths), samples)
-            (folder / "complete").write_text(f"{model_name} {sorted(lengths)} {samples}\n")
-    return folder
+    folders = []
+    for length in sorted(set(lengths)):
+        key = hashlib.sha256(json.dumps([model_name, length, samples, inspect.getsource(ruler)]).encode())
+        folder = models.cache_dir() / "suites" / key.hexdigest()[:16]
+        folder.mkdir(parents=True, exist_ok=True)
+        with models.cache_lock(folder / ".lock"):
+            if not (folder / "complete").is_file():
+                logger.info("writing the suite (%d tokens, %d samples per task) to %s", length, samples, folder)
+                write_suite(folder, tokenizer, [length], samples)
+                (folder / "complete").write_text(f"{model_name} {length} {samples}\n")
+        folders.append(folder)
+    return folders
 
 
 def row_key(row: dict) -> tuple:
@@ -237,18 +250,26 @@ def run_parts(parser: argparse.ArgumentParser, args) -> None:
     """``--parts N``: start N workers of this command (one GPU each when there are N: the K-th of those
     ``CUDA_VISIBLE_DEVICES`` lists, or GPU K),
     wait for them, merge their rows with ``--out``'s (``--resume``) and write the report and plot there. Stopped by
-    SIGTERM (``timeout``), it stops the workers and still merges the rows they finished."""
+    SIGTERM (``timeout``), it stops the workers and still merges the rows they finished; worker files that an earlier
+    run left unmerged (it was killed before its merge) are merged into ``--out`` first, never deleted unread."""
     if args.out is None:
         parser.error("--parts needs --out (the workers write next to it, the merged result goes there)")
     if args.parts < 1:
         parser.error(f"--parts {args.parts}: give a positive number of workers")
+    preset = preset_of(args)
+    leftovers = part_files(args.out)
+    if leftovers:  # an earlier run's workers finished these tasks; its merge never ran
+        logger.info("merging %d worker files left by an earlier run into %s", len(leftovers), args.out)
+        merge_parts(args, preset, leftovers, resume=True, parts=None)
     gpus = torch.cuda.device_count()
     if 1 < args.parts and 0 < gpus < args.parts:
         logger.warning("--parts %d on %d GPUs: workers share GPUs", args.parts, gpus)
-    folder = claims_dir(args.out)
-    for stale in [*folder.glob("*"), *args.out.parent.glob(f"{args.out.name}.part*")]:
-        stale.unlink()  # a fresh start: earlier workers' claims and part files (their rows are in --out if merged)
+    for stale in [*claims_dir(args.out).glob("*"), *args.out.parent.glob(f"{args.out.name}.part*")]:
+        stale.unlink()  # a fresh start: earlier claims and worker files (their rows are in --out now)
     argv = worker_argv(sys.argv[1:])
+    if "--resume" not in argv and leftovers:
+        argv.append("--resume")  # the workers must not redo what the leftovers held
+        args.resume = True
     workers = []
     for part in range(args.parts):
         env = dict(os.environ)
@@ -256,26 +277,21 @@ def run_parts(parser: argparse.ArgumentParser, args) -> None:
             env["CUDA_VISIBLE_DEVICES"] = worker_gpu(part, os.environ.get("CUDA_VISIBLE_DEVICES"))
         cmd = [sys.executable, "-m", "eval.accuracy", *argv, "--part", str(part), "--resume"]
         workers.append(subprocess.Popen(cmd, env=env))
-    previous = signal.signal(signal.SIGTERM, _stop)  # `timeout` signals the whole group: merge what finished
+    # `timeout` signals its child and then the whole process group (the workers too): the first SIGTERM stops the
+    # waiting below, later ones are ignored so that the merge runs to its end.
+    previous, stopped = signal.signal(signal.SIGTERM, _stop), False
     try:
         failed = [part for part, worker in enumerate(workers) if worker.wait() != 0]
-        stopped = False
     except _Stopped:
-        for worker in workers:
-            worker.terminate()
-        failed = [part for part, worker in enumerate(workers) if worker.wait() != 0]
         stopped = True
-    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.terminate()
+        failed = [part for part, worker in enumerate(workers) if worker.wait() != 0]
+    if not stopped:
         signal.signal(signal.SIGTERM, previous)
-    preset = dict(PRESETS[args.preset])
-    for key in ("samples", "lengths", "budgets", "methods"):
-        if getattr(args, key):
-            preset[key] = getattr(args, key)
-    rows = merge_rows(load_previous(args, preset) if args.resume else [],
-                      *(_rows_of(part_path(args.out, part)) for part in range(args.parts)))
-    payload = {"env": environment(), "preset": args.preset, "config": preset, "rows": rows,
-               "summary": summarize(rows), "parts": args.parts}
-    _write_merged(args, preset, payload)
+    rows = merge_parts(args, preset, part_files(args.out), resume=args.resume, parts=args.parts)
+    signal.signal(signal.SIGTERM, previous)
     if stopped:
         raise SystemExit(f"stopped by SIGTERM: the {len(rows)} finished rows are merged into {args.out}; run again "
                          "with --resume for the rest")
@@ -284,11 +300,41 @@ def run_parts(parser: argparse.ArgumentParser, args) -> None:
                          f"{args.out}); see their logs above, then run again with --resume")
 
 
+def preset_of(args) -> dict:
+    """The preset named by ``--preset`` with the ``--samples/--lengths/--budgets/--methods`` overrides."""
+    preset = dict(PRESETS[args.preset])
+    for key in ("samples", "lengths", "budgets", "methods"):
+        if getattr(args, key):
+            preset[key] = getattr(args, key)
+    return preset
+
+
+def part_files(out: Path) -> list[Path]:
+    """The worker files (``<out>.partK.json``) next to `out`, in part order."""
+    return sorted(out.parent.glob(f"{out.name}.part*.json"), key=lambda p: int(p.name.split(".part")[-1][:-5]))
+
+
+def merge_parts(args, preset: dict, files: list[Path], resume: bool, parts: int | None) -> list[dict]:
+    """Unite the rows of the worker files `files` with ``--out``'s (where `resume`) and write ``--out``'s JSON,
+    markdown and plot; returns the merged rows. ``parts=None``: the files are an earlier run's leftovers, so the
+    environment recorded is theirs (the machine that measured), with this command under ``merged_by``."""
+    payloads = [json.loads(path.read_text()) for path in files]
+    rows = merge_rows(load_previous(args, preset) if resume else [], *(p["rows"] for p in payloads))
+    env = environment() if parts is not None or not payloads else payloads[0]["env"]
+    payload = {"env": env, "preset": args.preset, "config": preset, "rows": rows, "summary": summarize(rows),
+               "parts": parts if parts is not None else len(files)}
+    if parts is None:
+        payload["merged_by"] = environment()["command"]
+    _write_merged(args, preset, payload)
+    return rows
+
+
 class _Stopped(Exception):
     """SIGTERM reached a ``--parts`` parent (a time limit): stop the workers, keep their finished rows."""
 
 
 def _stop(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop: the cleanup and merge must not be interrupted again
     raise _Stopped
 
 
@@ -305,17 +351,12 @@ def worker_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def _rows_of(path: Path) -> list[dict]:
-    json_path = result_path(path, ".json")
-    return json.loads(json_path.read_text())["rows"] if json_path.is_file() else []
-
-
 def _write_merged(args, preset: dict, payload: dict) -> None:
     env = payload["env"]
     header = (f"Test configuration: {env.get('gpu', 'cpu')} x {env.get('gpus', 1)}, torch {env['torch']}, "
               f"transformers {env['transformers']}; model {preset['model']}, draft {preset['draft']}; lengths "
               f"{preset['lengths']}, {preset['samples']} samples per task and length; scores 0-100 (share of expected "
-              f"strings in the answer); merged from {args.parts} worker processes; `{env['command']}`\n\n")
+              f"strings in the answer); merged from {payload['parts']} worker processes; `{env['command']}`\n\n")
     print(_tables(header, payload["rows"]))
     write_results(args.out, payload, _tables(header, payload["rows"]))
     plot_accuracy(payload, args.out)

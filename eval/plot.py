@@ -76,7 +76,8 @@ def plot_vs_budget(rows: list[dict], value: str, path: Path, ylabel: str, title:
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if rows:
+        ax.legend(fontsize=8)
     return save_figure(fig, plt, result_path(path, ".png"))
 
 
@@ -150,7 +151,8 @@ def plot_kernels(payload: dict, path: Path) -> Path | None:
     ax.set_ylabel("GB/s of K/V read")
     ax.set_title(f"sparse_attention, {payload.get('env', {}).get('gpu')}, Llama-8B heads", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if rows:
+        ax.legend(fontsize=8)
     return save_figure(fig, plt, result_path(path, ".png"))
 
 

@@ -118,8 +118,9 @@ def test_handoff_bench_writes_its_three_rows(tmp_path, monkeypatch):
 
 
 def test_accuracy_suite_is_written_once_per_key_and_reused(tmp_path, monkeypatch):
-    """`cached_suite`: a second run (or --parts worker) reuses the suite; other lengths or samples get their own; a
-    folder without its completion mark (a killed writer) is written again."""
+    """`cached_suite`: one folder per length, written once and reused by later runs whatever other lengths they ask
+    for (and by --parts workers); other samples or models get their own; a folder without its completion mark (a
+    killed writer) is written again."""
     from eval import accuracy
 
     monkeypatch.setenv("OASIS_HF_CACHE", str(tmp_path))
@@ -131,11 +132,83 @@ def test_accuracy_suite_is_written_once_per_key_and_reused(tmp_path, monkeypatch
 
     monkeypatch.setattr(accuracy, "write_suite", fake_write)
     first = accuracy.cached_suite(None, "m", [16384, 8192], 5)
-    assert accuracy.cached_suite(None, "m", [8192, 16384], 5) == first and written == [([8192, 16384], 5)]
-    assert first.parent == tmp_path / "suites" and (first / "complete").is_file()
-    assert accuracy.cached_suite(None, "m", [8192], 5) != first
-    assert accuracy.cached_suite(None, "m", [8192, 16384], 6) != first
-    assert accuracy.cached_suite(None, "other-model", [8192, 16384], 5) != first
-    assert len(written) == 4
-    (first / "complete").unlink()
-    assert accuracy.cached_suite(None, "m", [8192, 16384], 5) == first and len(written) == 5
+    assert written == [([8192], 5), ([16384], 5)] and len(set(first)) == 2
+    assert accuracy.cached_suite(None, "m", [8192, 16384], 5) == first
+    assert all(f.parent == tmp_path / "suites" and (f / "complete").is_file() for f in first)
+    assert accuracy.cached_suite(None, "m", [8192], 5) == first[:1] and len(written) == 2
+    assert accuracy.cached_suite(None, "m", [8192, 30000], 5)[0] == first[0] and len(written) == 3
+    assert accuracy.cached_suite(None, "m", [8192], 6) != first[:1]
+    assert accuracy.cached_suite(None, "other-model", [8192], 5) != first[:1]
+    assert len(written) == 5
+    (first[0] / "complete").unlink()
+    assert accuracy.cached_suite(None, "m", [8192, 16384], 5) == first and len(written) == 6
+
+
+def _accuracy_rows(length: int, scores: dict) -> dict:
+    return {"method": "dense", "budget": "full", "length": length, **scores}
+
+
+def test_accuracy_parts_merge_what_a_killed_run_left_before_starting_anew(tmp_path, monkeypatch):
+    """A --parts run killed before its merge leaves its workers' rows in <out>.partK.json: the next --parts run
+    merges them into --out first (it once deleted them as stale, losing a GPU call's rows), and --merge does only
+    that. The workers here are real processes that exit at once (no model is loaded)."""
+    import signal
+    import subprocess
+    import sys
+
+    from eval import accuracy
+    from eval.plot import result_path
+    from oasis_hf.tasks import TASKS
+
+    names = list(TASKS)
+    out = tmp_path / "acc"
+    env = {"gpu": "H200", "gpus": 2, "torch": "t", "transformers": "x", "command": "worker"}
+    config = dict(accuracy.PRESETS["gpu-qwen-1.5b"])
+    result_path(out, ".json").write_text(json.dumps({"config": config, "env": env, "rows": [
+        _accuracy_rows(8192, {names[0]: 10.0})]}))
+    for part, task in enumerate(names[1:3]):
+        rows = [_accuracy_rows(8192, {task: 20.0 + part, "seconds": {task: 3.0}})]
+        result_path(accuracy.part_path(out, part), ".json").write_text(
+            json.dumps({"config": config, "env": env, "rows": rows}))
+    started, popen = [], subprocess.Popen
+
+    def worker(cmd, *args, **kwargs):  # the --parts workers exit at once; other processes (git) run as usual
+        if "eval.accuracy" not in cmd:
+            return popen(cmd, *args, **kwargs)
+        started.append(cmd)
+        return popen([sys.executable, "-c", "pass"])
+
+    monkeypatch.setattr(subprocess, "Popen", worker)
+    monkeypatch.setattr(sys, "argv", ["eval.accuracy", "--preset", "gpu-qwen-1.5b", "--parts", "2", "--out", str(out)])
+    accuracy.main()
+    merged = json.loads(result_path(out, ".json").read_text())
+    assert merged["rows"] == [_accuracy_rows(8192, {names[0]: 10.0, names[1]: 20.0, names[2]: 21.0,
+                                                     "seconds": {names[1]: 3.0, names[2]: 3.0}})]
+    assert len(started) == 2 and all("--resume" in cmd for cmd in started)
+    assert not list(tmp_path.glob("acc.part*"))  # merged, then cleared for the new workers
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+    # --merge alone: the leftovers' environment is kept (the machine that measured), the merger recorded.
+    result_path(accuracy.part_path(out, 1), ".json").write_text(json.dumps({"config": config, "env": env, "rows": [
+        _accuracy_rows(16384, {names[0]: 50.0})]}))
+    monkeypatch.setattr(sys, "argv", ["eval.accuracy", "--preset", "gpu-qwen-1.5b", "--merge", "--out", str(out)])
+    accuracy.main()
+    merged = json.loads(result_path(out, ".json").read_text())
+    assert [r["length"] for r in merged["rows"]] == [8192, 16384] and merged["env"]["gpu"] == "H200"
+    assert "--merge" in merged["merged_by"] and not list(tmp_path.glob("acc.part*"))
+
+
+def test_accuracy_parts_stop_handler_fires_once():
+    """`timeout` sends SIGTERM to the --parts parent and then to its whole process group: the second signal must
+    not interrupt the merge (it once did, and a stopped run merged nothing)."""
+    import signal
+
+    from eval import accuracy
+
+    previous = signal.signal(signal.SIGTERM, accuracy._stop)
+    try:
+        with pytest.raises(accuracy._Stopped):
+            accuracy._stop(signal.SIGTERM, None)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)
