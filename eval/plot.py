@@ -53,9 +53,11 @@ def plot_decode(payload: dict, path: Path) -> Path | None:
     return save_figure(fig, plt, result_path(path, ".png"))
 
 
-def plot_vs_budget(rows: list[dict], value: str, path: Path, ylabel: str, title: str) -> Path | None:
+def plot_vs_budget(rows: list[dict], value: str, path: Path, ylabel: str, title: str,
+                   panel: str | None = None) -> Path | None:
     """`value` against ``row["budget"]`` (log2 axis), one line per ``row["method"]``; a method whose budget is
-    ``"full"`` (dense) is drawn as a dashed horizontal line. PNG next to `path`; None without matplotlib."""
+    ``"full"`` (dense) is drawn as a dashed horizontal line. With `panel` (a row key such as ``"length"``), one panel
+    per value of that key, side by side. PNG next to `path`; None without matplotlib."""
     try:
         import matplotlib
 
@@ -63,21 +65,30 @@ def plot_vs_budget(rows: list[dict], value: str, path: Path, ylabel: str, title:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.2))
     rows = [r for r in rows if isinstance(r.get(value), (int, float))]  # "no decode step" and the like: not drawn
-    for method in dict.fromkeys(r["method"] for r in rows):
-        points = [(r["budget"], r[value]) for r in rows if r["method"] == method]
-        if points[0][0] == "full":
-            ax.axhline(points[0][1], ls="--", c="k", lw=1, label=f"{method} (full KV)")
-        else:
-            ax.plot(*zip(*points, strict=True), marker="o", label=method)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("budget (tokens per sequence, KV head and layer)")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
+    panels = sorted({r.get(panel) for r in rows}, key=lambda v: (v is None, v or 0)) if panel else [None]
+    panels = panels or [None]
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 if len(panels) == 1 else 4.6 * len(panels), 4.2),
+                             sharey=True, squeeze=False)
+    for ax, key in zip(axes[0], panels, strict=True):
+        shown = [r for r in rows if panel is None or r.get(panel) == key]
+        for method in dict.fromkeys(r["method"] for r in shown):
+            points = sorted((r["budget"], r[value]) for r in shown if r["method"] == method and r["budget"] != "full")
+            full = [r[value] for r in shown if r["method"] == method and r["budget"] == "full"]
+            if full:
+                ax.axhline(full[0], ls="--", c="k", lw=1, label=f"{method} (full KV)")
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget (tokens per sequence, KV head and layer)")
+        ax.set_title(title if panel is None else f"{panel} {key if key is not None else '(not recorded)'}",
+                     fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(ylabel)
+    if panel is not None:
+        fig.suptitle(title, fontsize=10)
     if rows:
-        ax.legend(fontsize=8)
+        axes[0][-1].legend(fontsize=8)
     return save_figure(fig, plt, result_path(path, ".png"))
 
 
