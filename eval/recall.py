@@ -5,7 +5,8 @@
         --budgets 2048 --trials 3 --out eval/results/recall_qwen_16k          # the lookahead issue's measurement
 
 For each budget, decoding loop and selector, one greedy generation of the same pass-key prompts (varied filler,
-`oasis_hf.cli.passkey_prompt`) with `OasisConfig(measure_recall=True)`: after every decode step of every layer the
+`oasis_hf.cli.passkey_prompt`; or, with ``--task``, prompts of one task of the accuracy suite, to see where a task's
+points go) with `OasisConfig(measure_recall=True)`: after every decode step of every layer the
 step's exact attention (all keys read back from host memory) is compared with what was resident. Reports the
 attention mass on resident blocks, the recall of the exact top-S blocks (over all of the forward's queries), and
 whether the pass key came out.
@@ -29,6 +30,9 @@ from eval._common import environment, markdown_table, write_results
 from eval.plot import plot_vs_budget
 from oasis_hf import models
 from oasis_hf.cli import _run, passkey_prompt
+from oasis_hf.tasks import TASKS
+from oasis_hf.tasks.ruler import generate as task_samples
+from oasis_hf.tasks.ruler import string_match_all
 
 logger = logging.getLogger("eval.recall")
 
@@ -37,6 +41,8 @@ SELECTORS = [  # (label, selector, other OasisConfig fields)
     ("current-query (synchronous)", "current-query", {}),
     ("previous-query", "previous-query", {}),
     ("lookahead", "lookahead", {}),
+    ("current-query, minmax summaries", "current-query", {"summary": "minmax"}),
+    ("lookahead, minmax summaries", "lookahead", {"summary": "minmax"}),
     ("oracle (exact, synchronous)", "oracle", {}),
 ]
 # How the tokens are produced. The oracle set of a forward is the exact top-S of all its queries' attention, so
@@ -55,6 +61,9 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512])
     parser.add_argument("--new-tokens", type=int, default=12)
     parser.add_argument("--trials", type=int, default=1, help="prompts (different seeds) per budget")
+    parser.add_argument("--task", default=None, choices=sorted(TASKS),
+                        help="prompts from this task of the accuracy suite (`oasis_hf.tasks`, at --context tokens; "
+                             "'found' is then its score 0-1) instead of the pass-key prompt")
     parser.add_argument("--methods", nargs="+", default=None, help="labels (or label prefixes) to run; default all")
     parser.add_argument("--loops", nargs="+", default=None, choices=sorted(LOOPS),
                         help="decoding loops to run (default: greedy and prompt-lookup, and draft with --draft)")
@@ -85,9 +94,14 @@ def main() -> None:
 
 def run_row(args, model, tokenizer, draft, budget: int, loop: str, label: str, selector: str, fields: dict) -> dict:
     """One selector under one decoding loop, over ``--trials`` prompts: mean attention mass and top-S recall."""
-    mass, topk, correct, narrowed = [], [], 0, 0
+    mass, topk, correct, narrowed = [], [], 0.0, 0
+    samples = task_samples(args.task, args.context, args.trials, tokenizer) if args.task else None
     for trial in range(args.trials):
-        prompt, key = passkey_prompt(args.context, tokenizer, seed=trial)
+        if samples:
+            prompt, expected = samples[trial]["input"], samples[trial]["outputs"]
+        else:
+            prompt, key = passkey_prompt(args.context, tokenizer, seed=trial)
+            expected = [key]
         config = oasis_hf.OasisConfig(budget_tokens=budget, selector=selector, measure_recall=True, **fields)
         with oasis_hf.OasisCache(model.config, config) as cache:
             if loop == "draft":
@@ -100,12 +114,17 @@ def run_row(args, model, tokenizer, draft, budget: int, loop: str, label: str, s
         if stats["recall_steps"]:  # a generation that ended in its first forward has no decode step
             mass.append(stats["mass_recall"])
             topk.append(stats["topk_recall"])
-        correct += key in text
+        correct += string_match_all(text, expected)
     mean_mass = sum(mass) / len(mass) if mass else "no decode step"
     logger.info("budget %d, %s loop, %s: mass %s", budget, loop, label, mean_mass)
     return {"budget": budget, "decoding": loop, "method": label, "attention mass on resident": mean_mass,
             "oracle top-S recall": sum(topk) / len(topk) if topk else "no decode step",
-            "pass key found": f"{correct}/{args.trials}", "jobs narrowed": narrowed}
+            found_column(args): f"{correct:g}/{args.trials}", "jobs narrowed": narrowed}
+
+
+def found_column(args) -> str:
+    """The answer column: pass keys found, or with ``--task`` the task's score summed over the trials (each 0-1)."""
+    return f"{args.task} score" if args.task else "pass key found"
 
 
 def _speculative(model, draft, tokenizer, prompt: str, cache, new_tokens: int, draft_tokens: int) -> str:
@@ -122,11 +141,12 @@ def report(args, model, rows: list[dict], final: bool) -> None:
     """Write the table and JSON (and, once finished, print them and draw the figure)."""
     env = environment()
     header = (f"Test configuration: {env.get('gpu', 'cpu')}, torch {env['torch']}, transformers {env['transformers']};"
-              f" model {args.model}, {next(model.parameters()).dtype}, pass-key prompt of about {args.context} "
+              f" model {args.model}, {next(model.parameters()).dtype}, "
+              f"{f'{args.task} prompts' if args.task else 'pass-key prompt'} of about {args.context} "
               f"tokens, {args.new_tokens} greedy tokens, {args.trials} trial(s); `{env['command']}`\n\n")
     header += "".join(f"- `{loop}`: {what}\n" for loop, what in LOOPS.items()
                       if any(row["decoding"] == loop for row in rows)) + "\n"
-    columns = ["budget", "decoding", "method", "attention mass on resident", "oracle top-S recall", "pass key found",
+    columns = ["budget", "decoding", "method", "attention mass on resident", "oracle top-S recall", found_column(args),
                "jobs narrowed"]
     table = header + markdown_table(rows, columns)
     if final:
@@ -143,7 +163,8 @@ def plot_recall(payload: dict, path: Path) -> Path | None:
     rows = [row | {"method": f"{row['method']} [{row.get('decoding', 'greedy')}]"} for row in payload["rows"]]
     return plot_vs_budget(rows, "attention mass on resident", path,
                           "exact attention mass on resident blocks",
-                          f"{payload['args']['model']}, ~{payload['args']['context']}-token pass-key prompts")
+                          f"{payload['args']['model']}, ~{payload['args']['context']}-token "
+                          f"{payload['args'].get('task') or 'pass-key'} prompts")
 
 
 if __name__ == "__main__":

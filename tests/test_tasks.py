@@ -160,3 +160,25 @@ def test_kvpress_presses_compress_the_prompt(tok, press):
     texts = lm.generate_until(requests, disable_tqdm=True)
     assert all(texts)
     assert kept and all(n_in > 128 and n_out == 128 for n_in, n_out in kept), kept
+
+
+def test_recall_bench_on_suite_task_prompts(tmp_path, monkeypatch):
+    """`eval.recall --task`: a suite task's prompts instead of the pass key, its score summed per row; the minmax
+    variants run (plumbing on a tiny random model: the recall values are measured, not asserted)."""
+    import json
+    import sys
+
+    from eval import recall
+    from tests._factories import tiny_model, tiny_tokenizer
+
+    folder = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    out = tmp_path / "recall"
+    monkeypatch.setattr(sys, "argv", ["eval.recall", "--model", str(folder), "--context", "600", "--budgets", "256",
+                                      "--task", "vt", "--new-tokens", "4", "--loops", "prompt-lookup",
+                                      "--methods", "lookahead", "--device", "cpu", "--out", str(out)])
+    recall.main()
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["lookahead", "lookahead, minmax summaries"]
+    assert all(0.0 <= r["attention mass on resident"] <= 1.0 and r["vt score"].endswith("/1") for r in rows)
