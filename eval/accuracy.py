@@ -13,8 +13,9 @@ preset larger than one GPU session (``gpu-qwen-1.5b``: 22 method-budget pairs x 
 about 30,000 requests) is completed over several sessions, and ``--lengths/--budgets/--methods`` pick a part of it.
 On CUDA the OasisKV rows decode through whole-model CUDA graphs (`oasis_hf.decode_generate`, or
 ``speculative_generate(target_graphs=True)`` with drafts: the same greedy tokens as ``generate``, tested, at a fraction
-of the host time per step); ``--eager`` uses transformers' ``generate`` instead. Dense and kvpress rows always use
-``generate``.
+of the host time per step), and the kvpress rows decode their compressed cache with each step a CUDA graph
+(`oasis_hf.integrations.static_decode.greedy_continue`, after kvpress's compressed prefill); ``--eager`` uses
+transformers' ``generate`` for both instead. Dense rows always use ``generate``.
 
 ``--parts N`` runs the preset as N worker processes (one GPU each when the machine has N) that claim rows from a
 shared list as they go (a (row, task)'s claim is a file created exclusively under ``<out>.claims/``), each writing its

@@ -160,6 +160,12 @@ def test_kvpress_presses_compress_the_prompt(tok, press):
     texts = lm.generate_until(requests, disable_tqdm=True)
     assert all(texts)
     assert kept and all(n_in > 128 and n_out == 128 for n_in, n_out in kept), kept
+    # graphs=True: the same compressed prefill, then `greedy_continue` over a StaticCache copy (eager on the CPU):
+    # the same text as generate's decoding of the compressed cache.
+    kept.clear()
+    lm.graphs = True
+    assert lm.generate_until(requests, disable_tqdm=True) == texts
+    assert kept and all(n_out == 128 for _, n_out in kept), kept
 
 
 def test_recall_bench_on_suite_task_prompts(tmp_path, monkeypatch):

@@ -1,0 +1,66 @@
+"""`greedy_continue`: greedy decoding that continues a prefilled cache over a StaticCache copy (the kvpress rows'
+decode loop; CUDA graphs on CUDA, the same loop eagerly here)."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from oasis_hf import _compat
+from oasis_hf.errors import UnsupportedError
+from oasis_hf.integrations.static_decode import greedy_continue
+from tests._factories import tiny_model
+
+
+def _prefill(model, ids):
+    cache = DynamicCache()
+    out = model(input_ids=ids, use_cache=True, **{_compat.cache_kwarg(model): cache})
+    return cache, out.logits[:, -1].argmax(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_greedy_continue_equals_generate(family):
+    torch.manual_seed(0)
+    model = tiny_model(family)
+    ids = torch.randint(3, model.config.vocab_size, (1, 150))
+    reference = model.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                               pad_token_id=0)[:, ids.shape[1]:]
+    cache, first = _prefill(model, ids)
+    kept = [layer.keys.clone() for layer in cache.layers]
+    new = greedy_continue(model, cache, first, position=ids.shape[1], max_new_tokens=11)
+    assert torch.equal(new, reference)
+    assert all(torch.equal(a, layer.keys) for a, layer in zip(kept, cache.layers, strict=True))  # cache untouched
+
+
+def test_greedy_continue_positions_follow_the_uncompressed_prompt():
+    """After dropping prompt tokens from the cache (what a press does), rotary positions continue from the original
+    prompt length while the cache slots continue from the tokens kept: the tokens of an eager loop doing that."""
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    ids = torch.randint(3, model.config.vocab_size, (1, 120))
+    cache, first = _prefill(model, ids)
+    for layer in cache.layers:  # keep every other token, as a press might
+        layer.keys, layer.values = layer.keys[:, :, ::2].contiguous(), layer.values[:, :, ::2].contiguous()
+    kept = cache.layers[0].keys.shape[2]
+    right = greedy_continue(model, cache, first, position=ids.shape[1], max_new_tokens=8)
+    # Reference: eager decoding with explicit positions over the compressed DynamicCache itself.
+    tokens, nxt = [first], first
+    for step in range(8):
+        out = model(input_ids=nxt, position_ids=torch.tensor([[ids.shape[1] + step]]), use_cache=True,
+                    **{_compat.cache_kwarg(model): cache})
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(nxt)
+    assert torch.equal(right, torch.cat(tokens, dim=1)) and kept == 60
+
+
+def test_greedy_continue_stops_at_eos_and_refuses_batches():
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    ids = torch.randint(3, model.config.vocab_size, (1, 64))
+    cache, first = _prefill(model, ids)
+    full = greedy_continue(model, cache, first, position=64, max_new_tokens=10)
+    stop = int(full[0, 3])
+    cut = greedy_continue(model, cache, first, position=64, max_new_tokens=10, eos_token_id=[stop])
+    first_stop = int((full[0] == stop).nonzero()[0])
+    assert torch.equal(cut, full[:, : first_stop + 1])
+    with pytest.raises(UnsupportedError, match="one sequence"):
+        greedy_continue(model, cache, torch.cat([first, first]), position=64, max_new_tokens=3)
