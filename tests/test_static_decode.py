@@ -64,3 +64,20 @@ def test_greedy_continue_stops_at_eos_and_refuses_batches():
     assert torch.equal(cut, full[:, : first_stop + 1])
     with pytest.raises(UnsupportedError, match="one sequence"):
         greedy_continue(model, cache, torch.cat([first, first]), position=64, max_new_tokens=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_continue_cuda_graphs_equal_eager_and_generate(dtype):
+    """On CUDA the steps from the second on are replays of one captured forward: the same tokens as the eager loop
+    over the same cache (the same kernels), and in float32 as ``generate``."""
+    torch.manual_seed(0)
+    model = tiny_model("qwen2", device="cuda", dtype=dtype)
+    ids = torch.randint(3, model.config.vocab_size, (1, 300), device="cuda")
+    cache, first = _prefill(model, ids)
+    graphed = greedy_continue(model, cache, first, position=300, max_new_tokens=20)
+    eager = greedy_continue(model, cache, first, position=300, max_new_tokens=20, graphs=False)
+    assert torch.equal(graphed, eager)
+    if dtype == torch.float32:
+        reference = model.generate(ids, max_new_tokens=21, min_new_tokens=21, do_sample=False, pad_token_id=0)
+        assert torch.equal(graphed, reference[:, 300:])
