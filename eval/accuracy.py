@@ -17,7 +17,7 @@ of the host time per step), and the kvpress rows decode their compressed cache w
 (`oasis_hf.integrations.static_decode.greedy_continue`, after kvpress's compressed prefill); ``--eager`` uses
 transformers' ``generate`` for both instead. Dense rows always use ``generate``.
 
-``--parts N`` runs the preset as N worker processes (one GPU each when the machine has N) that claim rows from a
+``--parts N`` runs the preset as N worker processes (worker K on GPU K modulo the GPUs there are) that claim rows from a
 shared list as they go (a (row, task)'s claim is a file created exclusively under ``<out>.claims/``), each writing its
 own ``<out>.partK`` files, then merges them into ``--out``: on an 8-GPU machine the 30,000 requests take about an
 eighth of the time. A worker that dies leaves its claimed task undone; ``--resume`` runs it next time.
@@ -89,7 +89,7 @@ def main() -> None:
                         help="decode OasisKV rows with transformers' generate (per-layer graphs) instead of "
                              "whole-model CUDA graphs (`decode_generate`; same tokens, default on CUDA)")
     parser.add_argument("--parts", type=int, default=None,
-                        help="run as this many worker processes (one GPU each where there are that many), then merge")
+                        help="run as this many worker processes (round-robin over the GPUs), then merge")
     parser.add_argument("--part", type=int, default=None, help=argparse.SUPPRESS)  # a worker of --parts
     parser.add_argument("--merge", action="store_true",
                         help="only merge the worker files a stopped --parts run left next to --out into --out "
@@ -241,15 +241,17 @@ def merge_rows(*row_lists: list[dict]) -> list[dict]:
     return [complete_row(row) for row in merged.values()]
 
 
-def worker_gpu(part: int, visible: str | None) -> str:
-    """The ``CUDA_VISIBLE_DEVICES`` of worker `part`: the part-th GPU the caller may use (its own
-    ``CUDA_VISIBLE_DEVICES`` list where set, so ``CUDA_VISIBLE_DEVICES=4,5,6,7 ... --parts 4`` stays on 4-7)."""
-    return visible.split(",")[part].strip() if visible else str(part)
+def worker_gpu(part: int, visible: str | None, gpus: int) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` of worker `part` on a machine where the caller may use `gpus` GPUs: GPU
+    ``part % gpus`` of those (its own ``CUDA_VISIBLE_DEVICES`` list where set, so ``CUDA_VISIBLE_DEVICES=4,5,6,7 ...
+    --parts 4`` stays on 4-7, and ``--parts 4`` on two GPUs puts two workers on each)."""
+    index = part % gpus
+    return visible.split(",")[index].strip() if visible else str(index)
 
 
 def run_parts(parser: argparse.ArgumentParser, args) -> None:
-    """``--parts N``: start N workers of this command (one GPU each when there are N: the K-th of those
-    ``CUDA_VISIBLE_DEVICES`` lists, or GPU K),
+    """``--parts N``: start N workers of this command (worker K on GPU ``K % G`` of the G the caller may use; more
+    workers than GPUs share them round-robin),
     wait for them, merge their rows with ``--out``'s (``--resume``) and write the report and plot there. Stopped by
     SIGTERM (``timeout``), it stops the workers and still merges the rows they finished; worker files that an earlier
     run left unmerged (it was killed before its merge) are merged into ``--out`` first, never deleted unread."""
@@ -263,8 +265,9 @@ def run_parts(parser: argparse.ArgumentParser, args) -> None:
         logger.info("merging %d worker files left by an earlier run into %s", len(leftovers), args.out)
         merge_parts(args, preset, leftovers, resume=True, parts=None)
     gpus = torch.cuda.device_count()
-    if 1 < args.parts and 0 < gpus < args.parts:
-        logger.warning("--parts %d on %d GPUs: workers share GPUs", args.parts, gpus)
+    if 0 < gpus < args.parts:  # e.g. two workers per GPU for rows that leave a GPU partly idle (batch 1)
+        logger.info("--parts %d on %d GPUs: %s workers per GPU", args.parts, gpus,
+                    "/".join(str(len(range(g, args.parts, gpus))) for g in range(gpus)))
     for stale in [*claims_dir(args.out).glob("*"), *args.out.parent.glob(f"{args.out.name}.part*")]:
         stale.unlink()  # a fresh start: earlier claims and worker files (their rows are in --out now)
     argv = worker_argv(sys.argv[1:])
@@ -274,8 +277,8 @@ def run_parts(parser: argparse.ArgumentParser, args) -> None:
     workers = []
     for part in range(args.parts):
         env = dict(os.environ)
-        if gpus >= args.parts:
-            env["CUDA_VISIBLE_DEVICES"] = worker_gpu(part, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = worker_gpu(part, os.environ.get("CUDA_VISIBLE_DEVICES"), gpus)
         cmd = [sys.executable, "-m", "eval.accuracy", *argv, "--part", str(part), "--resume"]
         workers.append(subprocess.Popen(cmd, env=env))
     # `timeout` signals its child and then the whole process group (the workers too): the first SIGTERM stops the

@@ -93,8 +93,10 @@ def test_accuracy_parts_claim_each_row_once_and_merge(tmp_path):
     done = merge_rows(partial, [{"method": "dense", "budget": "full", "length": 8192, names[-1]: 100.0}])
     assert done[0]["average"] == pytest.approx((4 * 10.0 + 4 * 40.0 + 100.0) / len(names))
     assert complete_row({"method": "dense", names[0]: 1.0}) == {"method": "dense", names[0]: 1.0}
-    assert [worker_gpu(k, "4,5, 6") for k in range(3)] == ["4", "5", "6"]
-    assert worker_gpu(1, None) == worker_gpu(1, "") == "1"
+    assert [worker_gpu(k, "4,5, 6", 3) for k in range(3)] == ["4", "5", "6"]
+    assert worker_gpu(1, None, 2) == worker_gpu(1, "", 2) == "1"
+    assert [worker_gpu(k, None, 2) for k in range(4)] == ["0", "1", "0", "1"]  # --parts 4 on two GPUs
+    assert [worker_gpu(k, "6,7", 2) for k in range(3)] == ["6", "7", "6"]
     assert worker_argv(["--preset", "gpu-qwen-1.5b", "--parts", "8", "--out", "x", "--parts=2"]) == [
         "--preset", "gpu-qwen-1.5b", "--out", "x"]
     assert result_path(out, ".json").name == "accuracy_qwen_1.5b.json"
