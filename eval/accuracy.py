@@ -264,6 +264,7 @@ def run_parts(parser: argparse.ArgumentParser, args) -> None:
     if leftovers:  # an earlier run's workers finished these tasks; its merge never ran
         logger.info("merging %d worker files left by an earlier run into %s", len(leftovers), args.out)
         merge_parts(args, preset, leftovers, resume=True, parts=None)
+        args.resume = True  # --out holds them now: the final merge keeps them (workers always resume from --out)
     gpus = torch.cuda.device_count()
     if 0 < gpus < args.parts:  # e.g. two workers per GPU for rows that leave a GPU partly idle (batch 1)
         logger.info("--parts %d on %d GPUs: %s workers per GPU", args.parts, gpus,
@@ -271,9 +272,6 @@ def run_parts(parser: argparse.ArgumentParser, args) -> None:
     for stale in [*claims_dir(args.out).glob("*"), *args.out.parent.glob(f"{args.out.name}.part*")]:
         stale.unlink()  # a fresh start: earlier claims and worker files (their rows are in --out now)
     argv = worker_argv(sys.argv[1:])
-    if "--resume" not in argv and leftovers:
-        argv.append("--resume")  # the workers must not redo what the leftovers held
-        args.resume = True
     workers = []
     for part in range(args.parts):
         env = dict(os.environ)
@@ -292,10 +290,11 @@ def run_parts(parser: argparse.ArgumentParser, args) -> None:
             if worker.poll() is None:
                 worker.terminate()
         failed = [part for part, worker in enumerate(workers) if worker.wait() != 0]
-    if not stopped:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the merge runs to its end
+    try:
+        rows = merge_parts(args, preset, part_files(args.out), resume=args.resume, parts=args.parts)
+    finally:
         signal.signal(signal.SIGTERM, previous)
-    rows = merge_parts(args, preset, part_files(args.out), resume=args.resume, parts=args.parts)
-    signal.signal(signal.SIGTERM, previous)
     if stopped:
         raise SystemExit(f"stopped by SIGTERM: the {len(rows)} finished rows are merged into {args.out}; run again "
                          "with --resume for the rest")

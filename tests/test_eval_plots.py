@@ -186,7 +186,7 @@ def test_accuracy_parts_merge_what_a_killed_run_left_before_starting_anew(tmp_pa
     merged = json.loads(result_path(out, ".json").read_text())
     assert merged["rows"] == [_accuracy_rows(8192, {names[0]: 10.0, names[1]: 20.0, names[2]: 21.0,
                                                      "seconds": {names[1]: 3.0, names[2]: 3.0}})]
-    assert len(started) == 2 and all("--resume" in cmd for cmd in started)
+    assert len(started) == 2 and all(cmd[-3:-1] == ["--part", str(k)] for k, cmd in enumerate(started))
     assert not list(tmp_path.glob("acc.part*"))  # merged, then cleared for the new workers
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 

@@ -129,7 +129,8 @@ class OasisLM(HFLM):
         """The kvpress prefill (the press active, as under ``generate``), then greedy decoding over the compressed
         cache with every step a CUDA graph replay (`greedy_continue`): the tokens of ``generate`` at a fraction of its
         host time. Greedy only; stop strings are cut by lm-eval afterwards."""
-        if self._sampling(generation_kwargs)[0]:
+        do_sample, _, eos = self._sampling(generation_kwargs)
+        if do_sample:
             raise UnsupportedError("press rows with graphs=True decode greedily; set do_sample=False or graphs=False")
         cache = DynamicCache()
         with self.press(self.model), _cache_positions(self.model):
@@ -138,7 +139,7 @@ class OasisLM(HFLM):
         first = out.logits[:, -1].argmax(-1, keepdim=True)
         new = greedy_continue(self.model, cache, first, position=context.shape[1],
                               max_new_tokens=max(1, max_length - context.shape[1]) - 1,
-                              eos_token_id=self._sampling(generation_kwargs)[2])
+                              eos_token_id=eos)
         return torch.cat([context, new], dim=1)
 
     def _speculative(self, context: torch.Tensor, max_length: int, generation_kwargs: dict) -> torch.Tensor:
