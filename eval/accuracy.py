@@ -59,6 +59,8 @@ METHODS = {
     "previous-query": dict(selector="previous-query"),
     "lookahead (prompt lookup 3)": dict(selector="lookahead", prompt_lookup=3),
     "lookahead (draft model)": dict(selector="lookahead", draft=True),
+    # Quest's per-channel bounds instead of mean keys; a diagnostic row, not in the preset (run it with --methods).
+    "lookahead (draft model, minmax)": dict(selector="lookahead", draft=True, summary="minmax"),
     "kvpress SnapKV": dict(press="SnapKVPress", batch_size=1),
     "kvpress expected attention": dict(press="ExpectedAttentionPress", batch_size=1),
 }
@@ -68,7 +70,8 @@ PRESETS = {
                            methods=["dense", "static (StreamingLLM)", "current-query", "previous-query",
                                     "lookahead (prompt lookup 3)"], batch_size=1),
     "gpu-qwen-1.5b": dict(model="qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct",
-                          lengths=[8192, 16384, 30000], samples=50, budgets=[512, 1024, 2048], methods=list(METHODS),
+                          lengths=[8192, 16384, 30000], samples=50, budgets=[512, 1024, 2048],
+                          methods=[m for m in METHODS if "minmax" not in m],
                           batch_size=8),
 }
 
