@@ -102,11 +102,8 @@ def main() -> None:
     if args.merge:
         if args.out is None:
             parser.error("--merge needs --out")
-        files = part_files(args.out)
-        merge_parts(args, preset_of(args), files, resume=True, parts=None)
-        for path in files:  # merged: the rows are in --out now
-            for stale in path.parent.glob(f"{path.name[:-5]}.*"):
-                stale.unlink()
+        merge_parts(args, preset_of(args), part_files(args.out), resume=True, parts=None)
+        clear_worker_files(args.out)  # merged: the rows are in --out now
         return
     if args.parts is not None:
         run_parts(parser, args)
@@ -272,8 +269,7 @@ def run_parts(parser: argparse.ArgumentParser, args) -> None:
     if 0 < gpus < args.parts:  # e.g. two workers per GPU for rows that leave a GPU partly idle (batch 1)
         logger.info("--parts %d on %d GPUs: %s workers per GPU", args.parts, gpus,
                     "/".join(str(len(range(g, args.parts, gpus))) for g in range(gpus)))
-    for stale in [*claims_dir(args.out).glob("*"), *args.out.parent.glob(f"{args.out.name}.part*")]:
-        stale.unlink()  # a fresh start: earlier claims and worker files (their rows are in --out now)
+    clear_worker_files(args.out)  # a fresh start: their rows are in --out now
     argv = worker_argv(sys.argv[1:])
     workers = []
     for part in range(args.parts):
@@ -318,6 +314,12 @@ def preset_of(args) -> dict:
 def part_files(out: Path) -> list[Path]:
     """The worker files (``<out>.partK.json``) next to `out`, in part order."""
     return sorted(out.parent.glob(f"{out.name}.part*.json"), key=lambda p: int(p.name.split(".part")[-1][:-5]))
+
+
+def clear_worker_files(out: Path) -> None:
+    """Delete the claims and ``<out>.partK`` files of earlier workers (only once their rows are merged into `out`)."""
+    for stale in [*claims_dir(out).glob("*"), *out.parent.glob(f"{out.name}.part*")]:
+        stale.unlink()
 
 
 def merge_parts(args, preset: dict, files: list[Path], resume: bool, parts: int | None) -> list[dict]:
