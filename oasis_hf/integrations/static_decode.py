@@ -2,7 +2,7 @@
 
 kvpress compresses the prompt's KV during the prefill forward; decoding then attends to the kept tokens plus the new
 ones. Through transformers' ``generate`` that decode loop cost at least 30 ms per token for a 1.5B model at
-batch 1 on an H200, measured in ``eval.accuracy``), which made the kvpress rows most of the accuracy preset's time.
+batch 1 on an H200 (measured in ``eval.accuracy``), which made the kvpress rows most of the accuracy preset's time.
 `greedy_continue` copies the cache into a transformers `StaticCache` with room for the new tokens and runs each
 step as a replay of one captured model forward, like kvpress's own pipeline decodes after its compressed prefill:
 
