@@ -61,6 +61,13 @@ METHODS = {
     "lookahead (draft model)": dict(selector="lookahead", draft=True),
     # Quest's per-channel bounds instead of mean keys; a diagnostic row, not in the preset (run it with --methods).
     "lookahead (draft model, minmax)": dict(selector="lookahead", draft=True, summary="minmax"),
+    # Selection variants measured against the row above them (diagnostic rows, not in the preset): the prefill's
+    # first selection from the exact attention of the prompt's last 32 queries, a selection memory, block size 16.
+    "lookahead (draft model, window 32)": dict(selector="lookahead", draft=True, prefill_window_tokens=32),
+    "lookahead (draft model, decay 0.9)": dict(selector="lookahead", draft=True, score_decay=0.9),
+    "lookahead (draft model, window 32, decay 0.9)": dict(selector="lookahead", draft=True, prefill_window_tokens=32,
+                                                          score_decay=0.9),
+    "lookahead (draft model, block 16)": dict(selector="lookahead", draft=True, block_size=16),
     "kvpress SnapKV": dict(press="SnapKVPress", batch_size=1),
     "kvpress expected attention": dict(press="ExpectedAttentionPress", batch_size=1),
 }
@@ -71,7 +78,7 @@ PRESETS = {
                                     "lookahead (prompt lookup 3)"], batch_size=1),
     "gpu-qwen-1.5b": dict(model="qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct",
                           lengths=[8192, 16384, 30000], samples=50, budgets=[512, 1024, 2048],
-                          methods=[m for m in METHODS if "minmax" not in m],
+                          methods=[m for m in METHODS if "(draft model, " not in m],
                           batch_size=8),
 }
 
@@ -84,6 +91,8 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=None, help="override the preset's budgets")
     parser.add_argument("--methods", nargs="+", default=None, choices=sorted(METHODS), metavar="METHOD",
                         help=f"override the preset's methods; any of {sorted(METHODS)}")
+    parser.add_argument("--tasks", nargs="+", default=None, choices=sorted(TASKS), metavar="TASK",
+                        help="run only these tasks of the suite (rows then stay partial: no average)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--resume", action="store_true",
                         help="keep the rows already in --out's JSON (same model, draft and samples) and run the rest")
@@ -134,7 +143,7 @@ def main() -> None:
             batch_size = fields.pop("batch_size", preset["batch_size"])
             for budget in ([None] if fields.get("dense") else preset["budgets"]):
                 key = (method, budget or "full", length)
-                todo = [t for t in TASKS if t not in previous.get(key, {})]
+                todo = [t for t in args.tasks or TASKS if t not in previous.get(key, {})]
                 if not todo:
                     logger.info("%s @%s, %d tokens: in %s already", method, budget, length, args.out)
                     continue

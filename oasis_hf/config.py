@@ -89,6 +89,17 @@ class OasisConfig:
         selection never depends on timing) or ``"stale"`` (run on the blocks already resident, count a stale step,
         and let a later job's proposal in; a job proposes the delta into staging buffers and the next step commits
         it, revalidated, only if the job has finished). Either way attention is exact over what is resident.
+    prefill_window_tokens : int
+        How a query-driven selector makes the first selection after a prefill (and after each chunk of a chunked
+        prefill): ``0`` scores with the prompt's last query against the block summaries, as a decode step does;
+        ``W > 0`` uses the exact attention of the prompt's last ``W`` queries over its keys (still on the GPU at that
+        point), SnapKV's observation window. The prompt's end (the question, the instruction) is the best evidence
+        of what the first answer tokens read. Default 0.
+    score_decay : float
+        Selection memory of query-driven selectors, in ``[0, 1)``. ``0``: each selection uses only the queries that
+        made it. ``d > 0``: a block's score is the larger of its new score (its mean attention share per query row)
+        and ``d`` times its previous score, so a block that mattered a few steps ago is not evicted by one step whose
+        queries look elsewhere (answers that list several distant facts). Default 0.
     measure_recall : bool
         After each decode step, compare what was resident with the step's exact attention (all keys read back from
         host memory: slow, for evaluation). Adds ``mass_recall`` (share of the exact attention mass on resident
@@ -129,6 +140,8 @@ class OasisConfig:
     prefetch: bool = True
     prefetch_launch: str = "caller"
     prefetch_policy: str = "wait"
+    prefill_window_tokens: int = 0
+    score_decay: float = 0.0
     measure_recall: bool = False
     dense_chunk_tokens: int = 64
     drop_rejected_drafts: bool = True
@@ -198,6 +211,15 @@ class OasisConfig:
             self.dense_chunk_tokens < 1
         ):
             raise bad("dense_chunk_tokens", self.dense_chunk_tokens, "use a positive int")
+        if not isinstance(self.prefill_window_tokens, int) or isinstance(self.prefill_window_tokens, bool) or (
+            self.prefill_window_tokens < 0
+        ):
+            raise bad("prefill_window_tokens", self.prefill_window_tokens,
+                      "use a non-negative int (0: the last prompt query against the summaries)")
+        if not isinstance(self.score_decay, (int, float)) or isinstance(self.score_decay, bool) or not (
+            0.0 <= self.score_decay < 1.0
+        ):
+            raise bad("score_decay", self.score_decay, "use a float in [0, 1) (0: no selection memory)")
         if self.host_memory_limit_bytes is not None and (
             not isinstance(self.host_memory_limit_bytes, int) or isinstance(self.host_memory_limit_bytes, bool)
             or self.host_memory_limit_bytes <= 0

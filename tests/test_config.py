@@ -28,6 +28,11 @@ BAD = [
     ("prefetch_policy", "late", "'wait' or 'stale'"),
     ("prefetch_launch", "auto", "'thread' or 'caller'"),
     ("cuda_graphs", 1, "True or False"),
+    ("prefill_window_tokens", -1, "non-negative int"),
+    ("prefill_window_tokens", 1.5, "non-negative int"),
+    ("score_decay", 1.0, "in \\[0, 1\\)"),
+    ("score_decay", -0.1, "in \\[0, 1\\)"),
+    ("score_decay", "0.9", "in \\[0, 1\\)"),
 ]
 
 

@@ -41,6 +41,26 @@ def test_graph_replay_equals_eager_under_selection(family, dtype):
         layer.table.check()
 
 
+@pytest.mark.parametrize("selector", ["current-query", "lookahead"])
+def test_graph_replay_equals_eager_with_prefill_window_and_score_memory(selector):
+    """The selection memory is updated in place inside the captured step (current-query) or job (lookahead)."""
+    model = tiny_model("llama", attn="oasis", device="cuda", dtype=torch.bfloat16)
+    ids, mask = left_padded([300, 260])
+    ids, mask = ids.cuda(), mask.cuda()
+    small = dict(selector=selector, budget_tokens=128, max_fetch_blocks=2, prefill_window_tokens=16, score_decay=0.8)
+    outs, stats = [], []
+    for graphs in (False, True):
+        with oasis_cache(model, cuda_graphs=graphs, **small) as cache, torch.inference_mode():
+            outs.append(model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40,
+                                       do_sample=False, pad_token_id=0, output_logits=True,
+                                       return_dict_in_generate=True))
+            stats.append(cache.stats.summary())
+            assert float(cache.oasis_layers[0].score_memory.abs().sum()) > 0
+    assert torch.equal(outs[1].sequences, outs[0].sequences)
+    torch.testing.assert_close(torch.stack(outs[1].logits), torch.stack(outs[0].logits), atol=0, rtol=0)
+    assert stats[1]["graph_replays"] > 0 and stats[1]["fetched_blocks"] == stats[0]["fetched_blocks"] > 0
+
+
 def test_graphs_with_drafts_crop_and_reset():
     """Assisted generation (T varies, rejected drafts cropped) equals dense; the cache is reusable after reset."""
     ids, mask = left_padded([120])

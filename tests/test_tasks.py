@@ -66,8 +66,12 @@ def test_lm_eval_runs_the_suite_with_the_oasis_model(tok, tmp_path):
     assert register_lm_eval() == "oasis"
     model = tiny_model("llama")
     lm = OasisLM(pretrained=model, tokenizer=tok, budget=128, block_size=16, selector="lookahead", device="cpu",
-                 batch_size=2, max_length=1024, summary="minmax")
-    assert lm.oasis_config.summary == "minmax"  # model_args reach the cache config (validated there)
+                 batch_size=2, max_length=1024, summary="minmax", prefill_window_tokens=16, score_decay=0.5)
+    # model_args reach the cache config (validated there), the named ones and any other OasisConfig field
+    assert (lm.oasis_config.summary, lm.oasis_config.prefill_window_tokens, lm.oasis_config.score_decay) == (
+        "minmax", 16, 0.5)
+    with pytest.raises(ValueError, match="OasisConfig.score_decay=2"):
+        OasisLM(pretrained=model, tokenizer=tok, device="cpu", batch_size=1, score_decay=2)
     manager = TaskManager(include_path=str(suite))
     results = lm_eval.simple_evaluate(model=lm, tasks=["oasis_ruler"], task_manager=manager, limit=2)
     scores = results["results"]

@@ -98,6 +98,8 @@ class OasisLayer(CacheLayerMixin):
         self.summaries = BlockSummaries(
             cfg.summary, self.batch_size, self.num_kv_heads, capacity, self.head_dim, self.dtype, self.device
         )
+        # Selection memory (`OasisConfig.score_decay`): every block's remembered score, (B, H_kv, NB_cap) float32.
+        self.score_memory = torch.zeros(self.batch_size, self.num_kv_heads, capacity, device=self.device)
         self.keys, self.values = self.pool_k, self.pool_v
         self.is_initialized = True
 
@@ -183,6 +185,7 @@ class OasisLayer(CacheLayerMixin):
         if self.is_initialized:
             self.table.reset()
             self.summaries.data.zero_()
+            self.score_memory.zero_()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise UnsupportedError("OasisCache does not support beam search; use greedy or sampling (num_beams=1)")
@@ -219,6 +222,11 @@ class OasisLayer(CacheLayerMixin):
             self._job_warm.clear()
             self.table.grow(capacity_blocks)
             self.summaries.grow(capacity_blocks)
+            held = self.score_memory.shape[-1]
+            if self.table.capacity_blocks > held:
+                grown = self.score_memory.new_zeros(*self.score_memory.shape[:2], self.table.capacity_blocks)
+                grown[..., :held] = self.score_memory
+                self.score_memory = grown
 
     @property
     def device_nbytes(self) -> int:
@@ -259,8 +267,7 @@ class OasisLayer(CacheLayerMixin):
         blocks_v = torch.nn.functional.pad(value, (0, 0, 0, pad)).view_as(blocks_k)
         block_ids = torch.arange(num_blocks, device=self.device)
         self.summaries.write(block_ids, blocks_k, self._token_ok(block_ids, end))
-        last = torch.full((), end - 1, dtype=torch.long, device=self.device)
-        scores = self._scores(query[:, :, -1:], scale, last)  # initial selection: the last query
+        scores = self._prefill_scores(query, key, scale, 0, end)
         blocks, slots, valid = self._plan(scores, max_fetch=None, count=False)
         # The pool is empty, so every chosen block is a miss: copy them from the chunk, not from host.
         # `slots` is a permutation of the S slots, so scattering all S entries is safe; invalid ones stay unmapped.
@@ -294,14 +301,32 @@ class OasisLayer(CacheLayerMixin):
         blocks_v = torch.nn.functional.pad(full_v, (0, 0, 0, pad)).view_as(blocks_k)
         touched = torch.arange(start // bs, num_blocks, device=self.device)
         self.summaries.write(touched, blocks_k[:, :, start // bs :], self._token_ok(touched, end))
-        last = torch.full((), end - 1, dtype=torch.long, device=self.device)
-        self._plan(self._scores(query[:, :, -1:], scale, last), max_fetch=None)
+        self._plan(self._prefill_scores(query, full_k, scale, start, end), max_fetch=None)
         resident = self.table.slot_block[..., : cfg.budget_blocks]
         index = resident.clamp(0, num_blocks - 1)[..., None, None].expand(-1, -1, -1, bs, self.head_dim)
         keep = (resident >= 0)[..., None, None]
         self.pool_k.copy_(torch.where(keep, blocks_k.gather(2, index), self.pool_k))
         self.pool_v.copy_(torch.where(keep, blocks_v.gather(2, index), self.pool_v))
         return out
+
+    def _prefill_scores(self, query, keys, scale: float, start: int, end: int) -> torch.Tensor:
+        """Scores of the first selection after a prefill forward holding positions ``start .. end - 1``.
+
+        query : (B, H_q, end - start, D) the forward's queries; keys : (B, H_kv, end, D) every key so far, on the
+        device. With `OasisConfig.prefill_window_tokens` ``W > 0`` (query-driven selectors) the exact attention
+        mass of the last ``W`` queries, else the last query against the summaries.
+        """
+        last = torch.full((), end - 1, dtype=torch.long, device=self.device)
+        window = min(self.config.prefill_window_tokens, query.shape[2])
+        if window == 0 or not self.cache.selector.query_driven:
+            return self._scores(query[:, :, -1:], scale, last)
+        q = query[:, :, -window:]
+        q_pos = torch.arange(end - window, end, device=self.device)
+        mass = torch.zeros(self.batch_size, self.num_kv_heads, self.table.capacity_blocks, device=self.device)
+        for b in range(self.batch_size):  # one sequence at a time: (H_q, W, end) float32 logits
+            mass[b : b + 1] = block_mass(q[b : b + 1], keys[b : b + 1], scale, q_pos, self.kv_start[b : b + 1],
+                                         self.config.block_size, self.table.capacity_blocks)
+        return self._scores(q, scale, last, num_tokens=1, raw=mass)
 
     def _decode(self, query, key, value, scale, start) -> torch.Tensor:
         self.cache.stats.decode_layer_steps += 1
@@ -626,11 +651,14 @@ class OasisLayer(CacheLayerMixin):
         pos = (block_ids[:, None] * bs + self._arange(bs)).view(1, 1, -1, bs)
         return (pos < end) & (pos >= self.kv_start.view(-1, 1, 1, 1))
 
-    def _scores(self, query: torch.Tensor, scale: float, start: torch.Tensor, num_tokens: int | None = None):
+    def _scores(self, query: torch.Tensor, scale: float, start: torch.Tensor, num_tokens: int | None = None,
+                raw: torch.Tensor | None = None):
         """(B, H_kv, NB_cap) scores with the shared rules: forced blocks +inf, non-blocks -inf.
 
         The forward holds positions ``start .. start + num_tokens - 1`` (`start`: 0-d long tensor; `num_tokens`
-        defaults to the T of `query` (B, H_q, T, D), whose rows score the blocks).
+        defaults to the T of `query` (B, H_q, T, D), whose rows score the blocks). `raw` (B, H_kv, NB_cap): scores
+        of those rows computed elsewhere (the prefill window) instead of the selector's. With
+        `OasisConfig.score_decay` a query-driven selector's scores are merged into the layer's selection memory.
         """
         cfg = self.config
         num_tokens = query.shape[2] if num_tokens is None else num_tokens
@@ -638,7 +666,12 @@ class OasisLayer(CacheLayerMixin):
         ids = self._block_ids()
         first = (self.kv_start // cfg.block_size).view(-1, 1, 1)
         block_ok = (ids >= first) & (ids < num_blocks)
-        raw = self.cache.selector.score(self, query, scale, block_ok)
+        if raw is None:
+            raw = self.cache.selector.score(self, query, scale, block_ok)
+        if cfg.score_decay > 0 and self.cache.selector.query_driven:
+            rows = query.shape[1] // self.num_kv_heads * query.shape[2]  # G * T rows per KV head
+            raw = torch.maximum(torch.where(block_ok, raw.float() / rows, 0.0), self.score_memory * cfg.score_decay)
+            self.score_memory.copy_(raw)  # fixed shape, in place: captured with the step or the job
         recent_from = torch.minimum(num_blocks - cfg.recent_blocks, start // cfg.block_size)
         forced = block_ok & ((ids < first + cfg.sink_blocks) | (ids >= recent_from))
         return torch.where(forced, INF, torch.where(block_ok, raw.float(), -INF))
@@ -665,22 +698,34 @@ class OasisLayer(CacheLayerMixin):
 
     def exact_block_mass(self, query: torch.Tensor, scale: float, block_ok: torch.Tensor) -> torch.Tensor:
         """(B, H_kv, NB_cap): exact softmax attention mass of `query` per block, from the full keys on host."""
-        cfg = self.config
         if self.writeback_event is not None:
             self.writeback_event.synchronize()
-        keys = self.cache.host.read_keys(self.layer_idx, self.length).to(self.device).float()
-        batch, _, num_tokens, head_dim = query.shape
-        q = query.float().reshape(batch, self.num_kv_heads, -1, head_dim)
-        logits = torch.einsum("bhmd,bhnd->bhmn", q, keys) * scale
-        key_pos = torch.arange(self.length, device=self.device)
+        keys = self.cache.host.read_keys(self.layer_idx, self.length).to(self.device)
+        num_tokens = query.shape[2]
         q_pos = self.length - num_tokens + torch.arange(num_tokens, device=self.device)
-        q_pos = q_pos.repeat(q.shape[2] // num_tokens)  # rows ordered (g, t)
-        allowed = (key_pos[None, :] <= q_pos[:, None])[None, None] & (key_pos >= self.kv_start.view(-1, 1, 1, 1))
-        probs = torch.softmax(logits.masked_fill(~allowed, -INF), dim=-1).nan_to_num(0.0).sum(2)
-        num_blocks = -(-self.length // cfg.block_size)
-        probs = torch.nn.functional.pad(probs, (0, num_blocks * cfg.block_size - self.length))
-        mass = probs.view(batch, self.num_kv_heads, num_blocks, cfg.block_size).sum(-1)
-        return torch.nn.functional.pad(mass, (0, self.table.capacity_blocks - num_blocks))
+        return block_mass(query, keys, scale, q_pos, self.kv_start, self.config.block_size,
+                          self.table.capacity_blocks)
+
+
+def block_mass(query: torch.Tensor, keys: torch.Tensor, scale: float, q_pos: torch.Tensor, kv_start: torch.Tensor,
+               block_size: int, capacity_blocks: int) -> torch.Tensor:
+    """Exact causal softmax attention mass per block, summed over a GQA group's query rows.
+
+    query : (B, H_q, T, D) at positions `q_pos` (T,); keys : (B, H_kv, N, D) positions ``0 .. N-1``; kv_start : (B,)
+    first real key (left padding). Returns (B, H_kv, capacity_blocks) float32, zero past the last block.
+    """
+    batch, _, num_tokens, head_dim = query.shape
+    num_kv_heads, length = keys.shape[1], keys.shape[2]
+    q = query.float().reshape(batch, num_kv_heads, -1, head_dim)  # rows ordered (g, t)
+    logits = torch.einsum("bhmd,bhnd->bhmn", q, keys.float()) * scale
+    key_pos = torch.arange(length, device=keys.device)
+    rows_pos = q_pos.repeat(q.shape[2] // num_tokens)
+    allowed = (key_pos[None, :] <= rows_pos[:, None])[None, None] & (key_pos >= kv_start.view(-1, 1, 1, 1))
+    probs = torch.softmax(logits.masked_fill(~allowed, -INF), dim=-1).nan_to_num(0.0).sum(2)
+    num_blocks = -(-length // block_size)
+    probs = torch.nn.functional.pad(probs, (0, num_blocks * block_size - length))
+    mass = probs.view(batch, num_kv_heads, num_blocks, block_size).sum(-1)
+    return torch.nn.functional.pad(mass, (0, capacity_blocks - num_blocks))
 
 
 def _kv_start(attention_mask, batch: int, length: int, device) -> torch.Tensor:

@@ -21,13 +21,15 @@ requests decode with whole-model CUDA graphs, `oasis_hf.decode_generate` without
 ``speculative_generate(target_graphs=True)`` with them; same tokens as transformers' ``generate``, a fraction of its
 host time; models whose layers are all full attention; with ``press``, greedy decoding of the compressed cache with
 each step a CUDA graph, `greedy_continue`). ``pretrained`` may be a
-packaged model name (`oasis_hf.models`), which is assembled on first use. Loglikelihood requests are single
-forwards without a cache and run dense attention.
+packaged model name (`oasis_hf.models`), which is assembled on first use. Any other `OasisConfig` field may be
+given by name too (``prefill_window_tokens=32``, ``score_decay=0.9``, ``recent_tokens=64``...); the config validates
+it. Loglikelihood requests are single forwards without a cache and run dense attention.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import sys
@@ -51,6 +53,11 @@ logger = logging.getLogger(__name__)
 MODEL_NAME = "oasis"
 
 
+# OasisConfig fields OasisLM takes by their own names (the ones with short names above are set from those).
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(OasisConfig)
+                       if f.name not in ("budget_tokens", "selector", "block_size", "max_fetch_blocks", "summary"))
+
+
 def _bool(value) -> bool:
     return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
 
@@ -69,6 +76,9 @@ class OasisLM(HFLM):
             pretrained, kwargs["gguf_file"] = str(path.parent), path.name
             if kwargs.get("tokenizer") is None:  # HFLM would not pass gguf_file to the tokenizer
                 kwargs["tokenizer"] = AutoTokenizer.from_pretrained(pretrained, gguf_file=path.name)
+        # Other OasisConfig fields by name (HFLM's own arguments have other names): typed by lm-eval's parser on
+        # the command line, as given from Python; OasisConfig rejects wrong types and values.
+        config_fields = {name: kwargs.pop(name) for name in _CONFIG_FIELDS if name in kwargs}
         super().__init__(pretrained=pretrained, **kwargs)
         self.press = _make_press(press, self.model) if press else None
         self.dense = _bool(dense) or self.press is not None
@@ -78,6 +88,7 @@ class OasisLM(HFLM):
                       max_fetch_blocks=int(max_fetch_blocks), summary=summary)
         if block_size < 32:
             fields.update(sink_tokens=block_size, recent_tokens=4 * block_size)
+        fields.update(config_fields)
         self.oasis_config = OasisConfig(**fields)  # validated even for dense runs: a typo must not pass silently
         self.prompt_lookup = int(prompt_lookup)
         self.graphs = _bool(graphs)

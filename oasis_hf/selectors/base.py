@@ -27,6 +27,9 @@ class BlockSelector(ABC):
     #: Selects for the *next* step after this one ran (a prefetch job, on the worker when ``prefetch`` is on);
     #: False: selects for this step, inside it, before attention (synchronous).
     asynchronous: ClassVar[bool] = False
+    #: Scores come from the queries (attention estimates), so the prefill observation window and the selection
+    #: memory (`OasisConfig.prefill_window_tokens`, `OasisConfig.score_decay`) apply. False for ``static``.
+    query_driven: ClassVar[bool] = True
 
     def lookahead_queries(self, query: torch.Tensor) -> torch.Tensor:
         """Asynchronous selectors: the rows of this forward's queries (B, H_q, T, D) that score the next step."""
