@@ -52,25 +52,38 @@ logger = logging.getLogger("eval.accuracy")
 # method label -> OasisLM keyword arguments (budget added per row; dense ignores it). ``batch_size=1``: the method
 # generates one request at a time (kvpress presses); the others take the preset's (draft-model and prompt-lookup
 # drafts go through `speculative_generate`, batched).
+#
+# The query-driven OasisKV rows share one selection setting, so that they differ only in where the scoring queries
+# come from: blocks of 16 tokens (sink 16, recent window 64), the prefill's first selection from the exact attention
+# of the prompt's last 32 queries, and a selection memory of decay 0.9. Measured on the H200 at 8k tokens, budget 512
+# (`eval/results/accuracy_gpu_qwen_1.5b_variants_8k.md`): blocks of 16 instead of 32 took the suite average from 71.7
+# to 83.7, the window and memory on top to 84.3. The "block 32" rows keep what earlier sessions ran.
+SELECTION = dict(block_size=16, prefill_window_tokens=32, score_decay=0.9)
+BLOCK_32 = dict(block_size=32, prefill_window_tokens=0, score_decay=0.0)
 METHODS = {
     "dense": dict(dense=True),
     "static (StreamingLLM)": dict(selector="static"),
-    "current-query": dict(selector="current-query"),
-    "previous-query": dict(selector="previous-query"),
-    "lookahead (prompt lookup 3)": dict(selector="lookahead", prompt_lookup=3),
-    "lookahead (draft model)": dict(selector="lookahead", draft=True),
-    # Quest's per-channel bounds instead of mean keys; a diagnostic row, not in the preset (run it with --methods).
-    "lookahead (draft model, minmax)": dict(selector="lookahead", draft=True, summary="minmax"),
-    # Selection variants measured against the row above them (diagnostic rows, not in the preset): the prefill's
-    # first selection from the exact attention of the prompt's last 32 queries, a selection memory, block size 16.
-    "lookahead (draft model, window 32)": dict(selector="lookahead", draft=True, prefill_window_tokens=32),
-    "lookahead (draft model, decay 0.9)": dict(selector="lookahead", draft=True, score_decay=0.9),
-    "lookahead (draft model, window 32, decay 0.9)": dict(selector="lookahead", draft=True, prefill_window_tokens=32,
-                                                          score_decay=0.9),
-    "lookahead (draft model, block 16)": dict(selector="lookahead", draft=True, block_size=16),
+    "current-query": dict(selector="current-query", **SELECTION),
+    "previous-query": dict(selector="previous-query", **SELECTION),
+    "lookahead (prompt lookup 3)": dict(selector="lookahead", prompt_lookup=3, **SELECTION),
+    "lookahead (draft model)": dict(selector="lookahead", draft=True, **SELECTION),
     "kvpress SnapKV": dict(press="SnapKVPress", batch_size=1),
     "kvpress expected attention": dict(press="ExpectedAttentionPress", batch_size=1),
+    # Diagnostic rows, not in the presets (run them with --methods): Quest's per-channel bounds instead of mean keys,
+    # and the selection settings one at a time.
+    "lookahead (draft model, minmax)": dict(selector="lookahead", draft=True, summary="minmax", **SELECTION),
+    "lookahead (draft model, block 16, no window, no decay)": dict(selector="lookahead", draft=True, block_size=16,
+                                                                   prefill_window_tokens=0, score_decay=0.0),
+    "lookahead (draft model, block 32)": dict(selector="lookahead", draft=True, **BLOCK_32),
+    "lookahead (draft model, block 32, window 32)": dict(selector="lookahead", draft=True,
+                                                         **BLOCK_32 | dict(prefill_window_tokens=32)),
+    "lookahead (draft model, block 32, decay 0.9)": dict(selector="lookahead", draft=True,
+                                                         **BLOCK_32 | dict(score_decay=0.9)),
+    "lookahead (draft model, block 32, window 32, decay 0.9)": dict(
+        selector="lookahead", draft=True, **BLOCK_32 | dict(prefill_window_tokens=32, score_decay=0.9)),
+    "current-query (block 32)": dict(selector="current-query", **BLOCK_32),
 }
+DIAGNOSTIC = [m for m in METHODS if m.startswith("lookahead (draft model, ") or m.endswith("(block 32)")]
 
 PRESETS = {
     "cpu-smollm2-2k": dict(model="smollm2-135m-instruct", draft=None, lengths=[2000], samples=3, budgets=[256, 512],
@@ -78,7 +91,7 @@ PRESETS = {
                                     "lookahead (prompt lookup 3)"], batch_size=1),
     "gpu-qwen-1.5b": dict(model="qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct",
                           lengths=[8192, 16384, 30000], samples=50, budgets=[512, 1024, 2048],
-                          methods=[m for m in METHODS if "(draft model, " not in m],
+                          methods=[m for m in METHODS if m not in DIAGNOSTIC],
                           batch_size=8),
 }
 
@@ -106,8 +119,21 @@ def main() -> None:
     parser.add_argument("--merge", action="store_true",
                         help="only merge the worker files a stopped --parts run left next to --out into --out "
                              "(report and plot included); runs nothing (a --parts run also does this first)")
+    parser.add_argument("--merge-from", type=Path, nargs="+", default=None, metavar="JSON",
+                        help="unite the rows of these result files (same model, draft and samples; rows from several "
+                             "sessions or machines) into --out, recording each file's environment under 'sources'; "
+                             "runs nothing. On a (row, task) both hold, --out's score is kept")
+    parser.add_argument("--relabel", nargs="+", default=None, metavar="OLD=NEW",
+                        help="with --merge-from (or alone): rename --out's rows of method OLD to NEW first (when a "
+                             "method's definition in METHODS changes, its earlier rows keep a name that says what "
+                             "they ran); recorded under 'relabelled'")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.merge_from or args.relabel:
+        if args.out is None:
+            parser.error("--merge-from/--relabel need --out")
+        merge_results(parser, args, preset_of(args))
+        return
     if args.merge:
         if args.out is None:
             parser.error("--merge needs --out")
@@ -346,6 +372,52 @@ def merge_parts(args, preset: dict, files: list[Path], resume: bool, parts: int 
     return rows
 
 
+def merge_results(parser: argparse.ArgumentParser, args, preset: dict) -> list[dict]:
+    """``--merge-from`` / ``--relabel``: rename --out's rows (``OLD=NEW``), unite the rows of other result files
+    with them, and write --out's JSON, markdown and plot; returns the rows. The environment recorded stays --out's;
+    every file's environment (the machine, command and source hash that measured its rows) is listed under
+    ``sources``."""
+    path = result_path(args.out, ".json")
+    if not path.is_file():
+        parser.error(f"--merge-from/--relabel: {path} does not exist")
+    base = json.loads(path.read_text())
+    rows = load_previous(args, preset)
+    relabelled = list(base.get("relabelled", []))
+    for pair in args.relabel or []:
+        old, sep, new = pair.partition("=")
+        if not sep or not old or not new:
+            parser.error(f"--relabel {pair!r}: write OLD=NEW")
+        if not any(r["method"] == old for r in rows):
+            parser.error(f"--relabel: {path} has no rows of method {old!r}")
+        if any(r["method"] == new for r in rows):
+            parser.error(f"--relabel: {path} already has rows of method {new!r}; relabel those first")
+        for row in rows:
+            if row["method"] == old:
+                row["method"] = new
+        relabelled.append({"from": old, "to": new, "by": environment()["command"]})
+    sources = list(base.get("sources", [{"file": path.name, "env": base["env"]}]))
+    others = []
+    for other in args.merge_from or []:
+        args_other = argparse.Namespace(**{**vars(args), "out": other})
+        other_rows = load_previous(args_other, preset)  # same model, draft and samples, or it stops
+        clash = [(row_key(r), t) for r in other_rows for t in TASKS if t in r and t in
+                 next((x for x in rows if row_key(x) == row_key(r)), {})]
+        if clash:
+            logger.warning("%s: %d (row, task) scores already in %s are kept from there: %s", other, len(clash),
+                           path.name, clash[:5])
+        others.append(other_rows)
+        other_path = result_path(other, ".json")
+        sources.append({"file": other_path.name, "env": json.loads(other_path.read_text())["env"]})
+    merged = merge_rows(rows, *others)
+    payload = {"env": base["env"], "preset": base.get("preset", args.preset), "config": base["config"],
+               "rows": merged, "summary": summarize(merged), "parts": base.get("parts"), "sources": sources,
+               "merged_by": environment()["command"]}
+    if relabelled:
+        payload["relabelled"] = relabelled
+    _write_merged(args, preset, payload)
+    return merged
+
+
 class _Stopped(Exception):
     """SIGTERM reached a ``--parts`` parent (a time limit): stop the workers, keep their finished rows."""
 
@@ -372,8 +444,18 @@ def _write_merged(args, preset: dict, payload: dict) -> None:
     env = payload["env"]
     header = (f"Test configuration: {env.get('gpu', 'cpu')} x {env.get('gpus', 1)}, torch {env['torch']}, "
               f"transformers {env['transformers']}; model {preset['model']}, draft {preset['draft']}; lengths "
-              f"{preset['lengths']}, {preset['samples']} samples per task and length; scores 0-100 (share of expected "
+              f"{sorted({r['length'] for r in payload['rows']})}, "
+              f"{preset['samples']} samples per task and length; scores 0-100 (share of expected "
               f"strings in the answer); merged from {payload['parts']} worker processes; `{env['command']}`\n\n")
+    if payload.get("sources"):
+        header += "Rows united from these runs (`eval.accuracy --merge-from`), each with the code that measured it:\n\n"
+        header += "".join(f"- `{s['file']}`: {s['env'].get('gpu', 'cpu')}, source sha256 "
+                          f"{str(s['env'].get('source_sha256', '?'))[:12]}, `{s['env'].get('command', '?')}`\n"
+                          for s in payload["sources"])
+        for by in dict.fromkeys(r["by"] for r in payload.get("relabelled", [])):
+            pairs = [r for r in payload["relabelled"] if r["by"] == by]
+            header += f"- renamed by `{by}`: " + "; ".join(f"`{r['from']}` -> `{r['to']}`" for r in pairs) + "\n"
+        header += "\n"
     print(_tables(header, payload["rows"]))
     write_results(args.out, payload, _tables(header, payload["rows"]))
     plot_accuracy(payload, args.out)
@@ -437,8 +519,9 @@ def report(args, preset: dict, model, rows: list[dict], lm_eval_version: str, fi
 
 def plot_accuracy(payload: dict, path: Path) -> Path | None:
     """Suite average against the budget, one panel per context length and one line per method (complete rows only:
-    a mean over other lengths would compare methods measured at different lengths); dense as a horizontal line."""
-    rows = [r for r in payload["rows"] if "average" in r]
+    a mean over other lengths would compare methods measured at different lengths; diagnostic rows only in the
+    tables); dense as a horizontal line."""
+    rows = [r for r in payload["rows"] if "average" in r and r["method"] not in DIAGNOSTIC]
     return plot_vs_budget(rows, "average", path, "suite average (0-100)", f"{payload['config']['model']}",
                           panel="length")
 

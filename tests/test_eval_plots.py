@@ -214,3 +214,48 @@ def test_accuracy_parts_stop_handler_fires_once():
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_accuracy_merge_from_and_relabel(tmp_path, monkeypatch):
+    """--relabel renames --out's rows of a method whose definition changed; --merge-from unites other runs' rows
+    (their environments listed under 'sources'), keeps --out's score where both have one, and refuses runs of
+    another model and renames that would collide."""
+    import sys
+
+    from eval import accuracy
+    from eval.plot import result_path
+    from oasis_hf.tasks import TASKS
+
+    names = list(TASKS)
+    config = dict(accuracy.PRESETS["gpu-qwen-1.5b"])
+
+    def write(name, rows, gpu, **cfg):
+        result_path(tmp_path / name, ".json").write_text(json.dumps(
+            {"config": config | cfg, "env": {"gpu": gpu, "torch": "t", "transformers": "x", "command": name,
+                                             "source_sha256": name * 3}, "rows": rows}))
+
+    def run(*argv):
+        monkeypatch.setattr(sys, "argv", ["eval.accuracy", "--preset", "gpu-qwen-1.5b", *argv])
+        accuracy.main()
+        return json.loads(result_path(tmp_path / "main", ".json").read_text())
+
+    old = {"method": "lookahead (draft model)", "budget": 512, "length": 8192, names[0]: 70.0}
+    write("main", [old, _accuracy_rows(8192, {n: 90.0 for n in names})], "H200")
+    new = {"method": "lookahead (draft model)", "budget": 512, "length": 8192, **{n: 80.0 for n in names}}
+    write("later", [new, _accuracy_rows(8192, {names[0]: 1.0}), _accuracy_rows(16384, {names[0]: 60.0})], "B200")
+    merged = run("--out", str(tmp_path / "main"), "--relabel", "lookahead (draft model)=lookahead (draft model, "
+                 "block 32)", "--merge-from", str(tmp_path / "later.json"))
+    by_key = {accuracy.row_key(r): r for r in merged["rows"]}
+    assert by_key[("lookahead (draft model, block 32)", 512, 8192)][names[0]] == 70.0
+    assert by_key[("lookahead (draft model)", 512, 8192)]["average"] == 80.0
+    assert by_key[("dense", "full", 8192)][names[0]] == 90.0  # --out's score kept over the other run's
+    assert by_key[("dense", "full", 16384)][names[0]] == 60.0
+    assert [s["env"]["gpu"] for s in merged["sources"]] == ["H200", "B200"] and merged["env"]["gpu"] == "H200"
+    assert merged["relabelled"][0]["from"] == "lookahead (draft model)"
+    table = result_path(tmp_path / "main", ".md").read_text()
+    assert "later.json" in table and "`lookahead (draft model)` -> `lookahead (draft model, block 32)`" in table
+    with pytest.raises(SystemExit):  # the new rows already use the name: renaming onto them would mix two methods
+        run("--out", str(tmp_path / "main"), "--relabel", "lookahead (draft model, block 32)=lookahead (draft model)")
+    write("other_model", [new], "H200", model="smollm2-135m-instruct")
+    with pytest.raises(SystemExit, match="model"):
+        run("--out", str(tmp_path / "main"), "--merge-from", str(tmp_path / "other_model.json"))

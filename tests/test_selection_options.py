@@ -74,10 +74,10 @@ def test_prefill_window_zero_keeps_the_last_query_against_the_summaries(monkeypa
     model = tiny_model("llama", attn="oasis")
     ids, mask = left_padded([300])
     calls = spy_block_mass(monkeypatch)
-    with oasis_cache(model, selector="lookahead", **SMALL) as cache:
+    with oasis_cache(model, selector="lookahead", prefill_window_tokens=0, **SMALL) as cache:
         model(input_ids=ids, attention_mask=mask, past_key_values=cache)
     assert calls == []
-    with oasis_cache(model, selector="static", prefill_window_tokens=8, **SMALL) as cache:  # not query-driven
+    with oasis_cache(model, selector="static", **SMALL) as cache:  # not query-driven: no window (default 32)
         model(input_ids=ids, attention_mask=mask, past_key_values=cache)
     assert calls == []
 
@@ -134,7 +134,7 @@ def test_score_decay_changes_the_selection_under_a_small_budget_and_resets():
     model = tiny_model("llama", attn="oasis")
     ids, mask = left_padded([300, 260])
     fetched = {}
-    for decay in (0.0, 0.95):
+    for decay in (0.0, 0.95):  # (the default is 0.9)
         with oasis_cache(model, selector="lookahead", score_decay=decay, **SMALL) as cache:
             generate(model, ids, mask, cache)
             fetched[decay] = cache.stats.summary()["fetched_blocks"]

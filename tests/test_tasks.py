@@ -193,3 +193,23 @@ def test_recall_bench_on_suite_task_prompts(tmp_path, monkeypatch):
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert [r["method"] for r in rows] == ["lookahead", "lookahead, minmax summaries"]
     assert all(0.0 <= r["attention mass on resident"] <= 1.0 and r["vt score"].endswith("/1") for r in rows)
+
+
+def test_every_accuracy_method_is_a_valid_configuration_at_every_preset_budget():
+    """eval.accuracy's rows name their settings; each must build (a typo in a field would fail here, not on the GPU),
+    and the OasisKV rows of the GPU preset share one selection setting, so that they differ in the queries only."""
+    pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra; `pip install -e .[dev]`")
+    from eval.accuracy import METHODS, PRESETS, SELECTION
+
+    from oasis_hf.integrations.lm_eval import oasis_config
+
+    lm_only = ("dense", "press", "draft", "prompt_lookup", "batch_size")
+    for method, fields in METHODS.items():
+        for budget in sorted({b for p in PRESETS.values() for b in p["budgets"]}):
+            config = oasis_config(budget, **{k: v for k, v in fields.items() if k not in lm_only})
+            assert config.budget_tokens == budget, method
+    for method in PRESETS["gpu-qwen-1.5b"]["methods"]:
+        config = oasis_config(512, **{k: v for k, v in METHODS[method].items() if k not in lm_only})
+        if config.selector != "static" and "dense" not in METHODS[method] and "press" not in METHODS[method]:
+            assert (config.block_size, config.prefill_window_tokens, config.score_decay) == tuple(SELECTION.values())
+            assert (config.sink_tokens, config.recent_tokens) == (16, 64)

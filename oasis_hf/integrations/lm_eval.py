@@ -58,6 +58,19 @@ _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(OasisConfig)
                        if f.name not in ("budget_tokens", "selector", "block_size", "max_fetch_blocks", "summary"))
 
 
+def oasis_config(budget: int = 2048, selector: str = "lookahead", block_size: int = 32, max_fetch_blocks: int = 16,
+                 summary: str = "mean", **fields) -> OasisConfig:
+    """The `OasisConfig` of OasisLM's ``model_args``: blocks under 32 tokens get a sink of one block and a recent
+    window of four (the defaults, 32 + 128 tokens, would take most of a small budget); `fields` are any other
+    `OasisConfig` fields and override those."""
+    block_size = int(block_size)
+    config = dict(budget_tokens=int(budget), selector=selector, block_size=block_size,
+                  max_fetch_blocks=int(max_fetch_blocks), summary=summary)
+    if block_size < 32:
+        config.update(sink_tokens=block_size, recent_tokens=4 * block_size)
+    return OasisConfig(**config | fields)
+
+
 def _bool(value) -> bool:
     return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
 
@@ -83,13 +96,8 @@ class OasisLM(HFLM):
         self.press = _make_press(press, self.model) if press else None
         self.dense = _bool(dense) or self.press is not None
         self.budget = int(budget)
-        block_size = int(block_size)
-        fields = dict(budget_tokens=int(budget), selector=selector, block_size=block_size,
-                      max_fetch_blocks=int(max_fetch_blocks), summary=summary)
-        if block_size < 32:
-            fields.update(sink_tokens=block_size, recent_tokens=4 * block_size)
-        fields.update(config_fields)
-        self.oasis_config = OasisConfig(**fields)  # validated even for dense runs: a typo must not pass silently
+        # validated even for dense runs: a typo must not pass silently
+        self.oasis_config = oasis_config(budget, selector, block_size, max_fetch_blocks, summary, **config_fields)
         self.prompt_lookup = int(prompt_lookup)
         self.graphs = _bool(graphs)
         # Every request batch gets a fresh cache; their host stores reuse page-locked buffers instead of pinning anew.
