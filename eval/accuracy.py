@@ -519,9 +519,8 @@ def report(args, preset: dict, model, rows: list[dict], lm_eval_version: str, fi
 
 def plot_accuracy(payload: dict, path: Path) -> Path | None:
     """Suite average against the budget, one panel per context length and one line per method (complete rows only:
-    a mean over other lengths would compare methods measured at different lengths; diagnostic rows only in the
-    tables); dense as a horizontal line."""
-    rows = [r for r in payload["rows"] if "average" in r and r["method"] not in DIAGNOSTIC]
+    a mean over other lengths would compare methods measured at different lengths); dense as a horizontal line."""
+    rows = [r for r in payload["rows"] if "average" in r]
     return plot_vs_budget(rows, "average", path, "suite average (0-100)", f"{payload['config']['model']}",
                           panel="length")
 

@@ -70,15 +70,20 @@ def plot_vs_budget(rows: list[dict], value: str, path: Path, ylabel: str, title:
     panels = panels or [None]
     fig, axes = plt.subplots(1, len(panels), figsize=(7 if len(panels) == 1 else 4.6 * len(panels), 4.2),
                              sharey=True, squeeze=False)
+    # One colour per method across the panels, and one legend with every method of any panel.
+    colours = {m: f"C{i % 10}" for i, m in enumerate(dict.fromkeys(r["method"] for r in rows if r["budget"] != "full"))}
+    legend: dict[str, object] = {}
     for ax, key in zip(axes[0], panels, strict=True):
         shown = [r for r in rows if panel is None or r.get(panel) == key]
         for method in dict.fromkeys(r["method"] for r in shown):
             points = sorted((r["budget"], r[value]) for r in shown if r["method"] == method and r["budget"] != "full")
             full = [r[value] for r in shown if r["method"] == method and r["budget"] == "full"]
             if full:
-                ax.axhline(full[0], ls="--", c="k", lw=1, label=f"{method} (full KV)")
+                line = ax.axhline(full[0], ls="--", c="k", lw=1)
+                legend.setdefault(f"{method} (full KV)", line)
             if points:
-                ax.plot(*zip(*points, strict=True), marker="o", label=method)
+                (line,) = ax.plot(*zip(*points, strict=True), marker="o", c=colours[method])
+                legend.setdefault(method, line)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("budget (tokens per sequence, KV head and layer)")
         ax.set_title(title if panel is None else f"{panel} {key if key is not None else '(not recorded)'}",
@@ -87,8 +92,8 @@ def plot_vs_budget(rows: list[dict], value: str, path: Path, ylabel: str, title:
     axes[0][0].set_ylabel(ylabel)
     if panel is not None:
         fig.suptitle(title, fontsize=10)
-    if rows:
-        axes[0][-1].legend(fontsize=8)
+    if legend:
+        axes[0][-1].legend(list(legend.values()), list(legend), fontsize=8)
     return save_figure(fig, plt, result_path(path, ".png"))
 
 
