@@ -200,7 +200,6 @@ def test_every_accuracy_method_is_a_valid_configuration_at_every_preset_budget()
     and the OasisKV rows of the GPU preset share one selection setting, so that they differ in the queries only."""
     pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra; `pip install -e .[dev]`")
     from eval.accuracy import METHODS, PRESETS, SELECTION
-
     from oasis_hf.integrations.lm_eval import oasis_config
 
     lm_only = ("dense", "press", "draft", "prompt_lookup", "batch_size")
