@@ -54,10 +54,13 @@ def test_prefill_window_selects_the_top_blocks_of_the_last_queries_exact_attenti
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask, past_key_values=cache)
         layers = cache.oasis_layers
-        assert len(calls) == 2 * len(layers)  # one call per sequence and full-attention layer
+        heads = layers[0].num_kv_heads
+        per_layer = 2 * heads
+        assert len(calls) == per_layer * len(layers)  # one call per sequence, KV head and full-attention layer
         for li, layer in enumerate(layers):
-            mass = torch.cat([calls[2 * li + b][3] for b in range(2)])
-            for window, q_pos, num_keys, _ in calls[2 * li : 2 * li + 2]:
+            mine = calls[per_layer * li : per_layer * (li + 1)]
+            mass = torch.stack([torch.stack([mine[b * heads + h][3][0, 0] for h in range(heads)]) for b in range(2)])
+            for window, q_pos, num_keys, _ in mine:
                 assert window == 8 and num_keys == 300 and q_pos.tolist() == list(range(292, 300))
             resident = layer.table.slot_block[..., : cache.config.budget_blocks]
             for b in range(2):
@@ -91,7 +94,8 @@ def test_prefill_window_on_chunked_prefill_uses_each_chunks_last_queries(monkeyp
         model(input_ids=ids[:, 200:], attention_mask=mask, past_key_values=cache)  # 100 tokens > dense_chunk_tokens
         for layer in cache.oasis_layers:
             layer.table.check()
-    assert [(w, q.tolist()[0], n) for w, q, n, _ in calls] == [(8, 192, 200)] * 2 + [(8, 292, 300)] * 2
+    heads = 2 * 2  # llama: 2 KV heads, 2 layers
+    assert [(w, q.tolist()[0], n) for w, q, n, _ in calls] == [(8, 192, 200)] * heads + [(8, 292, 300)] * heads
 
 
 @pytest.mark.parametrize("fields", [dict(prefill_window_tokens=16), dict(score_decay=0.8),
