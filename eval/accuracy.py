@@ -368,8 +368,22 @@ def merge_parts(args, preset: dict, files: list[Path], resume: bool, parts: int 
                "parts": parts if parts is not None else len(files)}
     if parts is None:
         payload["merged_by"] = environment()["command"]
+    if resume:
+        carry_provenance(args.out, payload)
     _write_merged(args, preset, payload)
     return rows
+
+
+def carry_provenance(out: Path, payload: dict) -> dict:
+    """A run that resumes a file united from several runs (``--merge-from``) keeps that file's ``sources`` and
+    ``relabelled`` and adds itself to the sources, so rewriting the file never drops who measured its rows."""
+    path = result_path(out, ".json")
+    previous = json.loads(path.read_text()) if path.is_file() else {}
+    if previous.get("sources"):
+        payload["sources"] = [*previous["sources"], {"file": f"{path.name} (resumed)", "env": payload["env"]}]
+    if previous.get("relabelled"):
+        payload["relabelled"] = previous["relabelled"]
+    return payload
 
 
 def merge_results(parser: argparse.ArgumentParser, args, preset: dict) -> list[dict]:
@@ -512,6 +526,8 @@ def report(args, preset: dict, model, rows: list[dict], lm_eval_version: str, fi
         print(table)
     if args.out is not None:
         payload = {"env": env, "preset": args.preset, "config": preset, "rows": rows, "summary": summary}
+        if args.resume and args.part is None:
+            carry_provenance(args.out, payload)
         write_results(args.out, payload, table)
         if final and args.part is None:
             plot_accuracy(payload, args.out)

@@ -254,6 +254,10 @@ def test_accuracy_merge_from_and_relabel(tmp_path, monkeypatch):
     assert merged["relabelled"][0]["from"] == "lookahead (draft model)"
     table = result_path(tmp_path / "main", ".md").read_text()
     assert "later.json" in table and "`lookahead (draft model)` -> `lookahead (draft model, block 32)`" in table
+    # A later run resuming the united file keeps its sources and renames, and adds itself.
+    payload = accuracy.carry_provenance(tmp_path / "main", {"env": {"gpu": "H100", "command": "again"}, "rows": []})
+    assert [s["env"]["gpu"] for s in payload["sources"]] == ["H200", "B200", "H100"]
+    assert payload["relabelled"] == merged["relabelled"]
     with pytest.raises(SystemExit):  # the new rows already use the name: renaming onto them would mix two methods
         run("--out", str(tmp_path / "main"), "--relabel", "lookahead (draft model, block 32)=lookahead (draft model)")
     write("other_model", [new], "H200", model="smollm2-135m-instruct")
