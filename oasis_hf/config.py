@@ -94,16 +94,17 @@ class OasisConfig:
         and let a later job's proposal in; a job proposes the delta into staging buffers and the next step commits
         it, revalidated, only if the job has finished). Either way attention is exact over what is resident.
     prefill_window_tokens : int
-        How a query-driven selector makes the first selection after a prefill (and after each chunk of a chunked
-        prefill): ``0`` scores with the prompt's last query against the block summaries, as a decode step does;
-        ``W > 0`` uses the exact attention of the prompt's last ``W`` queries over its keys (still on the GPU at that
-        point), SnapKV's observation window. The prompt's end (the question, the instruction) is the best evidence
-        of what the first answer tokens read. Default 32.
+        How a selector (other than ``static`` and ``oracle``) makes the first selection after a prefill (and after
+        each chunk of a chunked prefill): ``0`` scores with the prompt's last query against the block summaries, as
+        a decode step does; ``W > 0`` uses the exact attention of the prompt's last ``W`` queries over its keys
+        (still on the GPU at that point), SnapKV's observation window. The prompt's end (the question, the
+        instruction) is the best evidence of what the first answer tokens read. Default 32.
     score_decay : float
-        Selection memory of query-driven selectors, in ``[0, 1)``. ``0``: each selection uses only the queries that
-        made it. ``d > 0``: a block's score is the larger of its new score (its mean attention share per query row)
-        and ``d`` times its previous score, so a block that mattered a few steps ago is not evicted by one step whose
-        queries look elsewhere (answers that list several distant facts). Default 0.9.
+        Selection memory of the selectors other than ``static`` and ``oracle``, in ``[0, 1)``. ``0``: each
+        selection uses only the queries that made it. ``d > 0``: a block's score is the larger of its new score (its
+        mean attention share per query row) and ``d`` times its previous score, so a block that mattered a few steps
+        ago is not evicted by one step whose queries look elsewhere (answers that list several distant facts).
+        Default 0.9.
 
         On Qwen2.5-Coder-1.5B at 8k tokens and budget 512 (lookahead with the 0.5B draft, blocks of 32) the window
         and the memory together took the five multi-fact tasks of the accuracy suite from 68.4 to 73.4 on average;

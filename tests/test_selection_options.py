@@ -80,7 +80,7 @@ def test_prefill_window_zero_keeps_the_last_query_against_the_summaries(monkeypa
     with oasis_cache(model, selector="lookahead", prefill_window_tokens=0, **SMALL) as cache:
         model(input_ids=ids, attention_mask=mask, past_key_values=cache)
     assert calls == []
-    with oasis_cache(model, selector="static", **SMALL) as cache:  # not query-driven: no window (default 32)
+    with oasis_cache(model, selector="static", **SMALL) as cache:  # static takes no window (default 32)
         model(input_ids=ids, attention_mask=mask, past_key_values=cache)
     assert calls == []
 

@@ -301,6 +301,9 @@ class OasisLayer(CacheLayerMixin):
         blocks_v = torch.nn.functional.pad(full_v, (0, 0, 0, pad)).view_as(blocks_k)
         touched = torch.arange(start // bs, num_blocks, device=self.device)
         self.summaries.write(touched, blocks_k[:, :, start // bs :], self._token_ok(touched, end))
+        # The selection memory starts afresh, as after one whole prefill: a chunked prefill then selects the same
+        # blocks (given a last chunk of at least `prefill_window_tokens` tokens).
+        self.score_memory.zero_()
         self._plan(self._prefill_scores(query, full_k, scale, start, end), max_fetch=None)
         resident = self.table.slot_block[..., : cfg.budget_blocks]
         index = resident.clamp(0, num_blocks - 1)[..., None, None].expand(-1, -1, -1, bs, self.head_dim)
@@ -313,12 +316,12 @@ class OasisLayer(CacheLayerMixin):
         """Scores of the first selection after a prefill forward holding positions ``start .. end - 1``.
 
         query : (B, H_q, end - start, D) the forward's queries; keys : (B, H_kv, end, D) every key so far, on the
-        device. With `OasisConfig.prefill_window_tokens` ``W > 0`` (query-driven selectors) the exact attention
-        mass of the last ``W`` queries, else the last query against the summaries.
+        device. With `OasisConfig.prefill_window_tokens` ``W > 0`` (selectors that take it: not `static` or `oracle`)
+        the exact attention mass of the last ``W`` queries, else the last query against the summaries.
         """
         last = torch.full((), end - 1, dtype=torch.long, device=self.device)
         window = min(self.config.prefill_window_tokens, query.shape[2])
-        if window == 0 or not self.cache.selector.query_driven:
+        if window == 0 or not self.cache.selector.window_and_memory:
             return self._scores(query[:, :, -1:], scale, last)
         q = query[:, :, -window:]
         q_pos = torch.arange(end - window, end, device=self.device)
@@ -663,7 +666,8 @@ class OasisLayer(CacheLayerMixin):
         The forward holds positions ``start .. start + num_tokens - 1`` (`start`: 0-d long tensor; `num_tokens`
         defaults to the T of `query` (B, H_q, T, D), whose rows score the blocks). `raw` (B, H_kv, NB_cap): scores
         of those rows computed elsewhere (the prefill window) instead of the selector's. With
-        `OasisConfig.score_decay` a query-driven selector's scores are merged into the layer's selection memory.
+        `OasisConfig.score_decay` the scores of a selector that takes it (not `static` or `oracle`) are merged into
+        the layer's selection memory.
         """
         cfg = self.config
         num_tokens = query.shape[2] if num_tokens is None else num_tokens
@@ -673,7 +677,7 @@ class OasisLayer(CacheLayerMixin):
         block_ok = (ids >= first) & (ids < num_blocks)
         if raw is None:
             raw = self.cache.selector.score(self, query, scale, block_ok)
-        if cfg.score_decay > 0 and self.cache.selector.query_driven:
+        if cfg.score_decay > 0 and self.cache.selector.window_and_memory:
             rows = query.shape[1] // self.num_kv_heads * query.shape[2]  # G * T rows per KV head
             raw = torch.maximum(torch.where(block_ok, raw.float() / rows, 0.0), self.score_memory * cfg.score_decay)
             self.score_memory.copy_(raw)  # fixed shape, in place: captured with the step or the job

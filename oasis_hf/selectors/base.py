@@ -27,9 +27,10 @@ class BlockSelector(ABC):
     #: Selects for the *next* step after this one ran (a prefetch job, on the worker when ``prefetch`` is on);
     #: False: selects for this step, inside it, before attention (synchronous).
     asynchronous: ClassVar[bool] = False
-    #: Scores come from the queries (attention estimates), so the prefill observation window and the selection
-    #: memory (`OasisConfig.prefill_window_tokens`, `OasisConfig.score_decay`) apply. False for ``static``.
-    query_driven: ClassVar[bool] = True
+    #: The prefill observation window and the selection memory (`OasisConfig.prefill_window_tokens`,
+    #: `OasisConfig.score_decay`) apply to this selector's scores. False for ``static`` (its scores ignore the
+    #: queries) and ``oracle`` (it must stay each step's exact top blocks: the reference the others are measured by).
+    window_and_memory: ClassVar[bool] = True
 
     def lookahead_queries(self, query: torch.Tensor) -> torch.Tensor:
         """Asynchronous selectors: the rows of this forward's queries (B, H_q, T, D) that score the next step."""

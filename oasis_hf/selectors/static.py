@@ -12,7 +12,7 @@ from oasis_hf.selectors.base import BlockSelector
 
 class StaticSelector(BlockSelector):
     name = "static"
-    query_driven = False
+    window_and_memory = False
 
     def score(self, layer, query: torch.Tensor, scale: float, block_ok: torch.Tensor) -> torch.Tensor:
         batch, num_kv_heads = query.shape[0], layer.num_kv_heads
