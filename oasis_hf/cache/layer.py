@@ -192,8 +192,8 @@ class OasisLayer(CacheLayerMixin):
 
     def restore(self, state: dict, device: torch.device) -> None:
         """Initialise from a published prefill state (`oasis_hf.remote.publish`) instead of a prefill forward: the
-        tables, summaries, padding starts and length; the pool stays empty until the caller fetches the resident
-        blocks into it (their slots are in the table)."""
+        tables, summaries, selection memory, padding starts and length; the pool stays empty until the caller
+        fetches the resident blocks into it (their slots are in the table)."""
         batch, heads, head_dim = state["batch_size"], state["num_kv_heads"], state["head_dim"]
         dtype = getattr(torch, state["dtype"])
         dummy = torch.empty(batch, heads, 0, head_dim, dtype=dtype, device=device)
@@ -203,6 +203,8 @@ class OasisLayer(CacheLayerMixin):
         self.table.slot_block.copy_(state["slot_block"].to(device))
         self.table.slot_score.copy_(state["slot_score"].to(device))
         self.summaries.data[..., :capacity, :] = state["summaries"].to(device)
+        if "score_memory" in state:  # publications before the selection memory have none: it starts empty
+            self.score_memory[..., :capacity] = state["score_memory"].to(device)
         self.kv_start = state["kv_start"].to(device)
         self.length = state["length"]
 

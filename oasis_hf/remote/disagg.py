@@ -76,6 +76,7 @@ def publish(cache: OasisCache, tier: MooncakeTier, request: str, extra: dict[str
             "slot_score": layer.table.slot_score.cpu(),
             "block_slot": layer.table.block_slot[..., :num_blocks].cpu(),
             "summaries": layer.summaries.data[..., :num_blocks, :].cpu(),
+            "score_memory": layer.score_memory[..., :num_blocks].cpu(),  # (`score_decay`), so decoding continues alike
         }
         written += _put_object(tier, state_key(request, idx), state)
     meta = {
