@@ -232,11 +232,11 @@ class OasisLayer(CacheLayerMixin):
 
     @property
     def device_nbytes(self) -> int:
-        """GPU bytes of this layer: pool + summaries + tables."""
+        """GPU bytes of this layer: pool + summaries + tables (the selection memory counted with them)."""
         if not self.is_initialized:
             return 0
         tables = sum(t.numel() * t.element_size() for t in (self.table.slot_block, self.table.block_slot,
-                                                             self.table.slot_score))
+                                                             self.table.slot_score, self.score_memory))
         return 2 * self.pool_k.numel() * self.pool_k.element_size() + self.summaries.nbytes + tables
 
     # ------------------------------------------------------------------------------------------ attention
