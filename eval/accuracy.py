@@ -392,10 +392,10 @@ def merge_results(parser: argparse.ArgumentParser, args, preset: dict) -> list[d
     every file's environment (the machine, command and source hash that measured its rows) is listed under
     ``sources``."""
     path = result_path(args.out, ".json")
-    if not path.is_file():
+    base = read_result(args.out, preset)
+    if base is None:
         parser.error(f"--merge-from/--relabel: {path} does not exist")
-    base = json.loads(path.read_text())
-    rows = load_previous(args, preset)
+    rows = base["rows"]
     relabelled = list(base.get("relabelled", []))
     for pair in args.relabel or []:
         old, sep, new = pair.partition("=")
@@ -412,16 +412,17 @@ def merge_results(parser: argparse.ArgumentParser, args, preset: dict) -> list[d
     sources = list(base.get("sources", [{"file": path.name, "env": base["env"]}]))
     others = []
     for other in args.merge_from or []:
-        args_other = argparse.Namespace(**{**vars(args), "out": other})
-        other_rows = load_previous(args_other, preset)  # same model, draft and samples, or it stops
+        payload = read_result(other, preset)  # same model, draft and samples, or it stops
+        if payload is None:
+            parser.error(f"--merge-from: {result_path(other, '.json')} does not exist")
+        other_rows = payload["rows"]
         clash = [(row_key(r), t) for r in other_rows for t in TASKS if t in r and t in
                  next((x for x in rows if row_key(x) == row_key(r)), {})]
         if clash:
             logger.warning("%s: %d (row, task) scores already in %s are kept from there: %s", other, len(clash),
                            path.name, clash[:5])
         others.append(other_rows)
-        other_path = result_path(other, ".json")
-        sources.append({"file": other_path.name, "env": json.loads(other_path.read_text())["env"]})
+        sources.append({"file": result_path(other, ".json").name, "env": payload["env"]})
     merged = merge_rows(rows, *others)
     payload = {"env": base["env"], "preset": base.get("preset", args.preset), "config": base["config"],
                "rows": merged, "summary": summarize(merged), "parts": base.get("parts"), "sources": sources,
@@ -488,15 +489,22 @@ def _tables(header: str, rows: list[dict]) -> str:
 def load_previous(args, preset: dict) -> list[dict]:
     """Rows of an earlier run at ``--out`` with the same model, draft and samples (``--resume``): a preset too large
     for one GPU session is finished over several, each adding the (length, method, budget) rows it has time for."""
-    path = result_path(args.out, ".json") if args.out else None
-    if path is None or not path.is_file():
-        return []
+    payload = read_result(args.out, preset) if args.out else None
+    return payload["rows"] if payload else []
+
+
+def read_result(out: Path, preset: dict) -> dict | None:
+    """The result JSON at `out` (None if there is none), checked to have run the same model, draft and samples as
+    `preset`: rows of different runs are only ever merged when they measured the same thing."""
+    path = result_path(out, ".json")
+    if not path.is_file():
+        return None
     old = json.loads(path.read_text())
     for key in ("model", "draft", "samples"):
         if old["config"].get(key) != preset[key]:
-            raise SystemExit(f"--resume: {path} was run with {key}={old['config'].get(key)!r}, this run has "
+            raise SystemExit(f"{path} was run with {key}={old['config'].get(key)!r}, this run has "
                              f"{preset[key]!r}; use another --out")
-    return old["rows"]
+    return old
 
 
 def summarize(rows: list[dict]) -> list[dict]:
