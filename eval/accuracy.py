@@ -288,8 +288,9 @@ def run_parts(parser: argparse.ArgumentParser, args) -> None:
     """``--parts N``: start N workers of this command (worker K on GPU ``K % G`` of the G the caller may use; more
     workers than GPUs share them round-robin),
     wait for them, merge their rows with ``--out``'s (``--resume``) and write the report and plot there. Stopped by
-    SIGTERM (``timeout``), it stops the workers and still merges the rows they finished; worker files that an earlier
-    run left unmerged (it was killed before its merge) are merged into ``--out`` first, never deleted unread."""
+    SIGTERM (``timeout``), it stops the workers and still merges the rows they finished; the worker files are deleted
+    once merged. Worker files that an earlier run left unmerged (it was killed before its merge) are merged into
+    ``--out`` first, never deleted unread."""
     if args.out is None:
         parser.error("--parts needs --out (the workers write next to it, the merged result goes there)")
     if args.parts < 1:
@@ -327,6 +328,7 @@ def run_parts(parser: argparse.ArgumentParser, args) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the merge runs to its end
     try:
         rows = merge_parts(args, preset, part_files(args.out), resume=args.resume, parts=args.parts)
+        clear_worker_files(args.out)  # merged: a later run must not merge them again as an earlier run's leftovers
     finally:
         signal.signal(signal.SIGTERM, previous)
     if stopped:
