@@ -69,7 +69,7 @@ def plot_vs_budget(rows: list[dict], value: str, path: Path, ylabel: str, title:
     panels = sorted({r.get(panel) for r in rows}, key=lambda v: (v is None, v or 0)) if panel else [None]
     panels = panels or [None]
     fig, axes = plt.subplots(1, len(panels), figsize=(7 if len(panels) == 1 else 4.6 * len(panels), 4.2),
-                             sharey=True, squeeze=False)
+                             sharex=True, sharey=True, squeeze=False)
     # One colour per method across the panels, and one legend with every method of any panel.
     colours = {m: f"C{i % 10}" for i, m in enumerate(dict.fromkeys(r["method"] for r in rows if r["budget"] != "full"))}
     legend: dict[str, object] = {}
