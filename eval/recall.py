@@ -15,11 +15,16 @@ Selectors are compared within a decoding loop (`LOOPS`): plain greedy decoding (
 ``lookahead`` has no drafts and equals ``previous-query``), HF prompt lookup, and `oasis_hf.speculative_generate`
 with a draft model (``--draft``). Under the last two, ``lookahead`` scores the next step's blocks with every
 verify query (the drafts' included), ``previous-query`` with the first one only.
+
+``--config FIELD=VALUE ...`` sets `OasisConfig` fields for every row, e.g. the accuracy preset's selection setting
+(``block_size=16 sink_tokens=16 recent_tokens=64 prefill_window_tokens=32 score_decay=0.9``), so that a variant can be
+compared on a suite task's prompts on the CPU before it costs GPU time.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -69,9 +74,14 @@ def main() -> None:
                         help="decoding loops to run (default: greedy and prompt-lookup, and draft with --draft)")
     parser.add_argument("--draft", default=None, help="draft model for the 'draft' loop")
     parser.add_argument("--draft-tokens", type=int, default=4, help="drafts per round in the 'draft' loop")
+    parser.add_argument("--config", nargs="+", default=[], metavar="FIELD=VALUE",
+                        help="OasisConfig fields for every row, e.g. the accuracy preset's selection setting: "
+                             "block_size=16 sink_tokens=16 recent_tokens=64 prefill_window_tokens=32 score_decay=0.9 "
+                             "(a row's own fields, such as its summary, win)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
+    args.config = config_fields(parser, args.config, args.budgets)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     loops = args.loops or ["greedy", "prompt-lookup"] + (["draft"] if args.draft else [])
     if "draft" in loops and not args.draft:
@@ -92,6 +102,39 @@ def main() -> None:
     report(args, model, rows, final=True)
 
 
+def config_fields(parser: argparse.ArgumentParser, pairs: list[str], budgets: list[int]) -> dict:
+    """``--config FIELD=VALUE ...`` as OasisConfig keyword arguments (ints, floats, true/false and none parsed),
+    checked against `OasisConfig` at every budget before any model is loaded."""
+    names = {f.name for f in dataclasses.fields(oasis_hf.OasisConfig)}
+    fields = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or name not in names or name in ("budget_tokens", "selector", "measure_recall"):
+            parser.error(f"--config {pair!r}: write FIELD=VALUE with an OasisConfig field other than budget_tokens, "
+                         f"selector and measure_recall (the rows set those); fields: {sorted(names)}")
+        fields[name] = _value(text)
+    for budget in budgets:
+        try:
+            oasis_hf.OasisConfig(budget_tokens=budget, **fields)
+        except (TypeError, ValueError) as error:
+            parser.error(f"--config at budget {budget}: {error}")
+    return fields
+
+
+def _value(text: str):
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def run_row(args, model, tokenizer, draft, budget: int, loop: str, label: str, selector: str, fields: dict) -> dict:
     """One selector under one decoding loop, over ``--trials`` prompts: mean attention mass and top-S recall."""
     mass, topk, correct, narrowed = [], [], 0.0, 0
@@ -102,7 +145,8 @@ def run_row(args, model, tokenizer, draft, budget: int, loop: str, label: str, s
         else:
             prompt, key = passkey_prompt(args.context, tokenizer, seed=trial)
             expected = [key]
-        config = oasis_hf.OasisConfig(budget_tokens=budget, selector=selector, measure_recall=True, **fields)
+        config = oasis_hf.OasisConfig(budget_tokens=budget, selector=selector, measure_recall=True,
+                                      **args.config | fields)
         with oasis_hf.OasisCache(model.config, config) as cache:
             if loop == "draft":
                 text = _speculative(model, draft, tokenizer, prompt, cache, args.new_tokens, args.draft_tokens)
@@ -143,7 +187,8 @@ def report(args, model, rows: list[dict], final: bool) -> None:
     header = (f"Test configuration: {env.get('gpu', 'cpu')}, torch {env['torch']}, transformers {env['transformers']};"
               f" model {args.model}, {next(model.parameters()).dtype}, "
               f"{f'{args.task} prompts' if args.task else 'pass-key prompt'} of about {args.context} "
-              f"tokens, {args.new_tokens} greedy tokens, {args.trials} trial(s); `{env['command']}`\n\n")
+              f"tokens, {args.new_tokens} greedy tokens, {args.trials} trial(s)"
+              f"{''.join(f', {k}={v}' for k, v in args.config.items())}; `{env['command']}`\n\n")
     header += "".join(f"- `{loop}`: {what}\n" for loop, what in LOOPS.items()
                       if any(row["decoding"] == loop for row in rows)) + "\n"
     columns = ["budget", "decoding", "method", "attention mass on resident", "oracle top-S recall", found_column(args),

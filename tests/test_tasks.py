@@ -186,13 +186,31 @@ def test_recall_bench_on_suite_task_prompts(tmp_path, monkeypatch):
     tiny_model("llama").save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     out = tmp_path / "recall"
-    monkeypatch.setattr(sys, "argv", ["eval.recall", "--model", str(folder), "--context", "600", "--budgets", "256",
-                                      "--task", "vt", "--new-tokens", "4", "--loops", "prompt-lookup",
-                                      "--methods", "lookahead", "--device", "cpu", "--out", str(out)])
+    base = ["eval.recall", "--model", str(folder), "--context", "600", "--budgets", "256", "--task", "vt",
+            "--new-tokens", "4", "--loops", "prompt-lookup", "--methods", "lookahead", "--device", "cpu",
+            "--out", str(out)]
+    fields = ["block_size=16", "sink_tokens=16", "recent_tokens=64", "score_decay=0.9", "max_fetch_blocks=none"]
+    monkeypatch.setattr(sys, "argv", [*base, "--config", *fields])
+    built, real_cache = [], recall.oasis_hf.OasisCache
+    monkeypatch.setattr(recall.oasis_hf, "OasisCache",
+                        lambda cfg, config: built.append(config) or real_cache(cfg, config))
     recall.main()
-    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    payload = json.loads(out.with_suffix(".json").read_text())
+    rows = payload["rows"]
     assert [r["method"] for r in rows] == ["lookahead", "lookahead, minmax summaries"]
     assert all(0.0 <= r["attention mass on resident"] <= 1.0 and r["vt score"].endswith("/1") for r in rows)
+    # --config reaches every row's OasisConfig (the row's own summary kept) and the recorded arguments.
+    assert [c.summary for c in built] == ["mean", "minmax"] and all(c.measure_recall for c in built)
+    assert all((c.block_size, c.sink_tokens, c.recent_tokens, c.score_decay, c.max_fetch_blocks)
+               == (16, 16, 64, 0.9, None) for c in built)
+    assert payload["args"]["config"]["block_size"] == 16
+    assert "block_size=16" in out.with_suffix(".md").read_text()
+    # A field that is not OasisConfig's, or a value it refuses, stops before any model is loaded.
+    monkeypatch.setattr(recall.models, "load", lambda *a, **k: pytest.fail("loaded a model despite a bad --config"))
+    for bad in ("blocks=16", "block_size=24", "selector=static"):
+        monkeypatch.setattr(sys, "argv", [*base, "--config", bad])
+        with pytest.raises(SystemExit):
+            recall.main()
 
 
 def test_every_accuracy_method_is_a_valid_configuration_at_every_preset_budget():
