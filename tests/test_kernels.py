@@ -212,6 +212,60 @@ def test_score_blocks_kernel_matches_twin(case, dtype):
     assert bool((out[~args[2][:, None, :].expand_as(out)] == 0).all())
 
 
+def _quest_bound_scores(query, low, high, block_ok, scale):
+    """Quest's bound the slow way: per channel the larger of q*lo and q*hi, summed; softmax over the allowed blocks
+    per query row; the rows of a GQA group and its tokens summed."""
+    b, hq, t, d = query.shape
+    hkv = low.shape[1]
+    q = query.float().reshape(b, hkv, (hq // hkv) * t, 1, d)
+    logits = torch.maximum(q * low.float()[:, :, None], q * high.float()[:, :, None]).sum(-1) * scale
+    logits = logits.masked_fill(~block_ok[:, None, None, :], float("-inf"))
+    return torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", SCORE_CASES, ids=str)
+def test_minmax_summaries_score_quests_bound(case, dtype, backend):
+    """`BlockSummaries("minmax").score` runs Quest's bound as one dot product over 2D channels (relu(q).hi +
+    min(q,0).lo) through `score_blocks` or its twin; it must equal the elementwise bound, empty blocks included."""
+    from oasis_hf.cache.summaries import BlockSummaries
+
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() and not INTERPRET else "cpu"
+    b, hq, hkv, t, d, nb = case
+    query, _, block_ok, scale = make_score_inputs(case, dtype, dev)
+    gen = torch.Generator().manual_seed(nb)
+    bs = 4
+    keys = torch.randn(b, hkv, nb, bs, d, generator=gen).to(dev, dtype)
+    token_ok = torch.rand(b, 1, nb, bs, generator=gen).to(dev) > 0.3
+    token_ok[:, :, 0] = False  # a block with no valid token has zero bounds
+    summaries = BlockSummaries("minmax", b, hkv, nb, d, dtype, dev)
+    summaries.write(torch.arange(nb, device=dev), keys, token_ok)
+    low, high = summaries.data[0], summaries.data[1]
+    assert bool((high >= low).all()) and not bool(low[:, :, 0].any())
+    out = summaries.score(query, scale, block_ok[:, None, :], backend)
+    expected = _quest_bound_scores(query, low, high, block_ok, scale)
+    assert out.shape == (b, hkv, nb) and out.dtype == torch.float32
+    tol = 1e-4 if dtype == torch.float32 and backend == "torch" else (1e-3 if dtype == torch.float32 else 2e-2)
+    torch.testing.assert_close(out, expected, atol=tol, rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_minmax_summaries_score_gpu_large():
+    """Qwen2.5-1.5B's lookahead shape at 30k tokens in blocks of 16: batch 8, 12 query heads over 2 KV heads, 5
+    verify queries, head dim 128 (256 channels in the bound's dot product), bf16."""
+    from oasis_hf.cache.summaries import BlockSummaries
+
+    query, _, block_ok, scale = make_score_inputs((8, 12, 2, 5, 128, 1875), torch.bfloat16, "cuda")
+    summaries = BlockSummaries("minmax", 8, 2, 1875, 128, torch.bfloat16, "cuda")
+    keys = torch.randn(8, 2, 1875, 16, 128, device="cuda", dtype=torch.bfloat16)
+    token_ok = torch.ones(8, 1, 1875, 16, dtype=torch.bool, device="cuda")
+    summaries.write(torch.arange(1875, device="cuda"), keys, token_ok)
+    expected = _quest_bound_scores(query, summaries.data[0], summaries.data[1], block_ok, scale)
+    torch.testing.assert_close(summaries.score(query, scale, block_ok[:, None, :], "triton"), expected, atol=2e-2,
+                               rtol=1e-3)
+
+
 @pytest.mark.gpu
 def test_score_blocks_gpu_large():
     """Llama-8B decode shape: batch 8, 32 query heads over 8 KV heads, 32k tokens in blocks of 32."""

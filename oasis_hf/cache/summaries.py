@@ -63,17 +63,14 @@ class BlockSummaries:
 
         query : (B, H_q, T, D). Each query row's block logits (mean key: the mean logit of the block; minmax: Quest's
         upper bound) go through a softmax over the valid blocks (`block_ok`: (B, 1, NB_cap) bool), then the rows of a
-        GQA group and of all ``T`` tokens are summed, so the group shares one selection. The mean-key path is one
-        Triton launch on the GPU (`score_blocks`), its twin elsewhere.
+        GQA group and of all ``T`` tokens are summed, so the group shares one selection. Both kinds are one Triton
+        launch on the GPU (`score_blocks`), its twin elsewhere: Quest's bound ``sum_d max(q_d lo_d, q_d hi_d)`` is
+        ``relu(q) . hi + min(q, 0) . lo`` (``hi >= lo``), one dot product over ``2 D`` channels.
         """
         ok = block_ok[:, 0]
+        fn = score_blocks if use_triton(query, backend) else score_blocks_ref
         if self.kind == "mean":
-            fn = score_blocks if use_triton(query, backend) else score_blocks_ref
             return fn(query.contiguous(), self.data[0], ok, scale)
-        batch, num_q_heads, num_tokens, head_dim = query.shape
-        num_kv_heads = self.data.shape[2]
-        q = query.float().reshape(batch, num_kv_heads, -1, head_dim)  # (B, H_kv, G*T, D)
-        low, high = self.data[0].float(), self.data[1].float()
-        logits = torch.maximum(q[..., None, :] * low[:, :, None], q[..., None, :] * high[:, :, None]).sum(-1) * scale
-        logits = logits.masked_fill(~ok[:, None, None, :], float("-inf"))
-        return torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2)
+        signed = torch.cat([query.clamp(min=0), query.clamp(max=0)], dim=-1)  # (B, H_q, T, 2D)
+        bounds = torch.cat([self.data[1], self.data[0]], dim=-1)  # (B, H_kv, NB_cap, 2D): hi, then lo
+        return fn(signed, bounds, ok, scale)
