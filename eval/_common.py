@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -42,20 +43,31 @@ def environment() -> dict:
         env["gpu"] = torch.cuda.get_device_name()
         env["cuda"] = torch.version.cuda
         env["gpus"] = torch.cuda.device_count()
+    env.update(code_identity())
+    return env
+
+
+@functools.cache
+def code_identity() -> dict:
+    """``git_sha``, ``sources_differ_from_git_sha`` and ``source_sha256`` of the code this process runs, taken once
+    per process: every benchmark's `main` calls it before any work, so sources edited during a long run (another
+    commit, a checkout) do not relabel what was measured (session 11: a 20-minute CPU run recorded a commit made
+    after it had started)."""
+    identity = {}
     try:
-        env["git_sha"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        check=True).stdout.strip()
+        identity["git_sha"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                             check=True).stdout.strip()
         # Sources that differ from that commit (uncommitted edits, or a copied tree over stale git metadata, as on
         # the GPU machine): then git_sha does not name what ran, source_sha256 does.
-        env["sources_differ_from_git_sha"] = bool(subprocess.run(
+        identity["sources_differ_from_git_sha"] = bool(subprocess.run(
             ["git", "status", "--porcelain", "--", ":(glob)oasis_hf/**/*.py", ":(glob)eval/*.py"],
             capture_output=True, text=True, check=True).stdout.strip())
     except (OSError, subprocess.CalledProcessError):
-        env["git_sha"] = None
+        identity["git_sha"] = None
     # A copy of the working tree (the GPU machine's) may carry stale git metadata or uncommitted changes: record what
     # actually ran. `python -m eval._common` prints the same hash for a checkout.
-    env["source_sha256"] = source_hash()
-    return env
+    identity["source_sha256"] = source_hash()
+    return identity
 
 
 def source_hash() -> str:

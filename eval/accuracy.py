@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from eval._common import environment, markdown_table, write_results
+from eval._common import code_identity, environment, markdown_table, write_results
 from eval.plot import plot_vs_budget, result_path
 from oasis_hf import models
 from oasis_hf.tasks import TASKS, write_suite
@@ -97,6 +97,7 @@ PRESETS = {
 
 
 def main() -> None:
+    code_identity()  # the code that runs, pinned before any work
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-smollm2-2k")
     parser.add_argument("--samples", type=int, default=None, help="override the preset's samples per task")

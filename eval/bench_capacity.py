@@ -17,7 +17,7 @@ import logging
 from transformers import DynamicCache
 
 import oasis_hf
-from eval._common import environment, finish, markdown_table
+from eval._common import code_identity, environment, finish, markdown_table
 from eval.bench_multigpu import (
     GIB,
     SHAPES,
@@ -43,6 +43,7 @@ def oasis_gpu_bytes_per_seq(shape: dict, cfg: oasis_hf.OasisConfig, capacity: in
 
 
 def main() -> None:
+    code_identity()  # the code that runs, pinned before any work
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
     parser.add_argument("--kv-cap-gib", type=float, required=True, help="GPU memory the KV cache may use")

@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import oasis_hf
-from eval._common import environment, markdown_table, median, percentile, time_steps, write_results
+from eval._common import code_identity, environment, markdown_table, median, percentile, time_steps, write_results
 from eval.plot import plot_decode
 
 logger = logging.getLogger("eval.bench_decode")
@@ -208,6 +208,7 @@ def gather_bandwidth(cache: oasis_hf.OasisCache, repeats: int = 10) -> dict:
 
 
 def main() -> None:
+    code_identity()  # the code that runs, pinned before any work
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
     parser.add_argument("--out", type=Path, default=None, help="results path without suffix (.md and .json written)")

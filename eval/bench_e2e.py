@@ -32,7 +32,7 @@ import torch
 from transformers import DynamicCache
 
 import oasis_hf
-from eval._common import environment, finish, markdown_table, synchronize, write_results
+from eval._common import code_identity, environment, finish, markdown_table, synchronize, write_results
 from eval.plot import plot_e2e
 from oasis_hf import _compat, models
 from oasis_hf.cli import passkey_prompt
@@ -81,6 +81,7 @@ def run_row(label: str, fn, inputs, tokenizer, keys, new_tokens: int) -> dict:
 
 
 def main() -> None:
+    code_identity()  # the code that runs, pinned before any work
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from eval._common import environment, finish, markdown_table, median
+from eval._common import code_identity, environment, finish, markdown_table, median
 from oasis_hf.cache.prefetch import Prefetcher
 
 logger = logging.getLogger("eval.bench_handoff")
@@ -67,6 +67,7 @@ def step_time(mode: str, layers: int, layer_us: float, job_us: float, steps: int
 
 
 def main() -> None:
+    code_identity()  # the code that runs, pinned before any work
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--layer-us", type=float, default=600.0, help="Python work per layer (the forward's code)")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from eval._common import environment, finish, markdown_table, median
+from eval._common import code_identity, environment, finish, markdown_table, median
 from eval.plot import plot_kernels
 from oasis_hf.cache.block_table import BlockTable
 from oasis_hf.kernels import copy_rows, gather_blocks, sparse_attention, sparse_attention_ref
@@ -222,6 +222,7 @@ def _elapsed(begin, end) -> float:
 
 
 def main() -> None:
+    code_identity()  # the code that runs, pinned before any work
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--budgets", type=int, nargs="+", default=[512, 2048])

@@ -29,7 +29,7 @@ from accelerate import dispatch_model
 from transformers import DynamicCache
 
 import oasis_hf
-from eval._common import environment, markdown_table, median, percentile, time_steps, write_results
+from eval._common import code_identity, environment, markdown_table, median, percentile, time_steps, write_results
 from eval.bench_decode import LLAMA_8B, QWEN_7B, TINY, build_model
 from eval.plot import plot_throughput
 
@@ -175,6 +175,7 @@ def run_method(model, label: str, make_cache, batch: int, context: int, dtype, w
 
 
 def main() -> None:
+    code_identity()  # the code that runs, pinned before any work
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
     parser.add_argument("--contexts", type=int, nargs="+", default=[65536, 131072])

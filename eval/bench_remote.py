@@ -33,7 +33,7 @@ import torch
 from transformers import LlamaConfig
 
 import oasis_hf
-from eval._common import environment, finish, markdown_table, median
+from eval._common import code_identity, environment, finish, markdown_table, median
 from eval.bench_decode import LLAMA_8B
 from eval.plot import plot_remote_memory
 from oasis_hf.remote import MooncakeCluster, MooncakeTier, attach, publish
@@ -113,6 +113,7 @@ def real_model(args) -> None:
 
 
 def main() -> None:
+    code_identity()  # the code that runs, pinned before any work
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--batch", type=int, default=1)

@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 import oasis_hf
-from eval._common import environment, markdown_table, write_results
+from eval._common import code_identity, environment, markdown_table, write_results
 from eval.bench_multigpu import (
     GIB,
     SHAPES,
@@ -40,6 +40,7 @@ COLUMNS = ["method", "context", "batch", "budget", "ms/step (median)", "ms/step 
 
 
 def main() -> None:
+    code_identity()  # the code that runs, pinned before any work
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 import oasis_hf
-from eval._common import environment, markdown_table, write_results
+from eval._common import code_identity, environment, markdown_table, write_results
 from eval.plot import plot_vs_budget
 from oasis_hf import models
 from oasis_hf.cli import _run, passkey_prompt
@@ -60,6 +60,7 @@ LOOPS = {
 
 
 def main() -> None:
+    code_identity()  # the code that runs, pinned before any work
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=models.DEFAULT_MODEL)
     parser.add_argument("--context", type=int, default=2000)

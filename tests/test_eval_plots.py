@@ -271,3 +271,14 @@ def test_accuracy_merge_from_and_relabel(tmp_path, monkeypatch):
     write("other_model", [new], "H200", model="smollm2-135m-instruct")
     with pytest.raises(SystemExit, match="model"):
         run("--out", str(tmp_path / "main"), "--merge-from", str(tmp_path / "other_model.json"))
+
+
+def test_environment_records_the_code_identity_taken_when_the_run_started(monkeypatch):
+    """A benchmark's `main` pins `code_identity()` before any work; sources edited later in the run (a commit made
+    while a 20-minute run was going, as in session 11) must not relabel what it measured."""
+    from eval import _common
+
+    first = _common.code_identity()
+    assert set(first) >= {"git_sha", "source_sha256"}
+    monkeypatch.setattr(_common, "source_hash", lambda: "edited-later")
+    assert _common.environment()["source_sha256"] == first["source_sha256"] != "edited-later"
