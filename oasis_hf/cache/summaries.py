@@ -5,8 +5,9 @@ Chosen by attention mass captured per byte, measured on Qwen2.5-Coder-1.5B at 13
 key bytes (block 32), 4-bit keys 0.915 at 1/4 of the bytes, and Quest's per-channel min/max bound only 0.867 at
 2/32. At 32k tokens on an 8B shape 4-bit keys alone would take 512 MiB per sequence, twice the 256 MiB budget
 pool, while mean keys take 64 MiB: ``"mean"`` is the default, ``"minmax"`` (Quest) is kept as a baseline. Mass is not
-the whole story: on the accuracy suite's recall_list and vt prompts (CPU, Qwen2.5-Coder-0.5B, 4k tokens, blocks of 16)
-minmax captured less mass but answered more (README, "Mean keys or Quest's bounds"); the GPU A/B is still to run.
+the whole story: on the accuracy suite's recall_list, vt and multi-value/multi-query needle prompts (CPU,
+Qwen2.5-Coder-0.5B, 4k tokens, blocks of 16) minmax captured less mass but answered more in each (README, "Mean keys or
+Quest's bounds"); the GPU A/B is still to run.
 """
 
 from __future__ import annotations
