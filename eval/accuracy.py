@@ -69,9 +69,11 @@ METHODS = {
     "lookahead (draft model)": dict(selector="lookahead", draft=True, **SELECTION),
     "kvpress SnapKV": dict(press="SnapKVPress", batch_size=1),
     "kvpress expected attention": dict(press="ExpectedAttentionPress", batch_size=1),
-    # Diagnostic rows, not in the presets (run them with --methods): Quest's per-channel bounds instead of mean keys,
-    # and the selection settings one at a time.
+    # Diagnostic rows, not in the presets (run them with --methods): Quest's per-channel bounds instead of mean keys
+    # (session 12: more vt and recall_list answers, fewer cwe and fwe), both averaged, and the selection settings
+    # one at a time.
     "lookahead (draft model, minmax)": dict(selector="lookahead", draft=True, summary="minmax", **SELECTION),
+    "lookahead (draft model, mean+minmax)": dict(selector="lookahead", draft=True, summary="mean+minmax", **SELECTION),
     "lookahead (draft model, block 16, no window, no decay)": dict(selector="lookahead", draft=True, block_size=16,
                                                                    prefill_window_tokens=0, score_decay=0.0),
     "lookahead (draft model, block 32)": dict(selector="lookahead", draft=True, **BLOCK_32),

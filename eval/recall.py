@@ -48,6 +48,7 @@ SELECTORS = [  # (label, selector, other OasisConfig fields)
     ("lookahead", "lookahead", {}),
     ("current-query, minmax summaries", "current-query", {"summary": "minmax"}),
     ("lookahead, minmax summaries", "lookahead", {"summary": "minmax"}),
+    ("lookahead, mean+minmax summaries", "lookahead", {"summary": "mean+minmax"}),
     ("oracle (exact, synchronous)", "oracle", {}),
 ]
 # How the tokens are produced. The oracle set of a forward is the exact top-S of all its queries' attention, so

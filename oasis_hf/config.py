@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 KERNEL_BACKENDS = ("auto", "triton", "torch")
-SUMMARY_KINDS = ("mean", "minmax")
+SUMMARY_KINDS = ("mean", "minmax", "mean+minmax")
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,9 @@ class OasisConfig:
         (exact attention mass from the full keys; slow, for tests and recall). See `oasis_hf.selectors`.
     summary : str
         Block summary kept on the GPU for scoring: ``"mean"`` (mean key per block and KV head, 1/block_size of
-        the keys) or ``"minmax"`` (Quest's per-channel bounds, 2/block_size of the keys).
+        the keys), ``"minmax"`` (Quest's per-channel bounds, 2/block_size of the keys) or ``"mean+minmax"`` (both,
+        3/block_size; a block's score is the average of the two: the bounds rank blocks with one matching key, the
+        mean blocks with many).
     max_fetch_blocks : int | None
         Cap on selector-driven block fetches per (sequence, KV head, layer) and step; the best-scoring misses go
         first and the least important resident blocks are evicted. Blocks that must be resident (sinks, recent

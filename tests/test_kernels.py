@@ -404,3 +404,65 @@ def test_gather_blocks_reads_pinned_host_memory():
     torch.testing.assert_close(v1, v2, equal_nan=True)
     with pytest.raises(ValueError, match="pageable"):
         gather_blocks(src_k.clone(), src_v.clone(), k1, v1, blocks, slots, valid)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_mean_plus_minmax_lets_each_summary_propose(backend):
+    """Four blocks of 4 keys against the query e0: N holds one key that matches strongly among keys that do not
+    (a fact to retrieve), M only keys that match moderately (words to count), X one strong and one strongly negative
+    key (a bound as high as a fact's, mean 0), Y weak matches. Mean keys rank M, Y first and miss N; Quest's bounds
+    rank N, X first and miss M; ``mean+minmax`` averages the two softmax shares and keeps N and M."""
+    from oasis_hf.cache.summaries import BlockSummaries
+
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() and not INTERPRET else "cpu"
+    ch0 = torch.tensor([[10.0, -3, -3, -3], [2, 2, 2, 2], [6, -6, 6, -6], [1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0]])
+    keys = torch.zeros(1, 1, 6, 4, 16)
+    keys[..., 0] = ch0
+    keys[..., 1] = 0.5 * torch.tensor([1.0, -1, 1, -1])  # the same in every block: no score difference
+    query = torch.zeros(1, 2, 1, 16)
+    query[..., 0] = 1.0
+    block_ok = torch.ones(1, 1, 6, dtype=torch.bool, device=dev)
+    top2 = {}
+    for kind in ("mean", "minmax", "mean+minmax"):
+        summaries = BlockSummaries(kind, 1, 1, 6, 16, torch.float32, dev)
+        summaries.write(torch.arange(6, device=dev), keys.to(dev), torch.ones(1, 1, 6, 4, dtype=torch.bool, device=dev))
+        scores = summaries.score(query.to(dev), 1.0, block_ok, backend)[0, 0]
+        torch.testing.assert_close(scores.sum(), torch.tensor(2.0, device=dev))  # 2 query heads, shares sum to 1
+        top2[kind] = {"NMXY"[i] if i < 4 else "F" for i in scores.topk(2).indices.tolist()}
+    assert top2 == {"mean": {"M", "Y"}, "minmax": {"N", "X"}, "mean+minmax": {"N", "M"}}
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("case", SCORE_CASES[:6], ids=str)
+def test_mean_plus_minmax_score_is_the_average_of_both(case, backend):
+    """``mean+minmax`` stores lo, hi and the mean key (3 tensors) and scores the average of the mean-key scores and
+    Quest's bound, each computed the slow way here; empty blocks have zero summaries."""
+    from oasis_hf.cache.summaries import BlockSummaries
+
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() and not INTERPRET else "cpu"
+    b, hq, hkv, t, d, nb = case
+    query, _, block_ok, scale = make_score_inputs(case, torch.float32, dev)
+    gen = torch.Generator().manual_seed(nb + 1)
+    keys = torch.randn(b, hkv, nb, 4, d, generator=gen).to(dev)
+    token_ok = torch.rand(b, 1, nb, 4, generator=gen).to(dev) > 0.3
+    token_ok[:, :, 0] = False
+    both = BlockSummaries("mean+minmax", b, hkv, nb, d, torch.float32, dev)
+    both.write(torch.arange(nb, device=dev), keys, token_ok)
+    assert both.data.shape[0] == 3 and both.nbytes == 3 * b * hkv * nb * d * 4
+    low, high, mean = both.data
+    ok = token_ok[..., None]
+    want_mean = torch.where(ok, keys, 0.0).sum(3) / ok.sum(3).clamp(min=1)
+    torch.testing.assert_close(mean, want_mean)
+    torch.testing.assert_close(low, torch.where(ok.any(3), torch.where(ok, keys, float("inf")).amin(3), 0.0))
+    torch.testing.assert_close(high, torch.where(ok.any(3), torch.where(ok, keys, float("-inf")).amax(3), 0.0))
+    expected = 0.5 * (score_blocks_ref(query, want_mean, block_ok, scale)
+                      + _quest_bound_scores(query, low, high, block_ok, scale))
+    tol = 1e-4 if backend == "torch" else 1e-3
+    torch.testing.assert_close(both.score(query, scale, block_ok[:, None, :], backend), expected, atol=tol, rtol=1e-3)
+
+
+def test_block_summaries_refuse_an_unknown_kind():
+    from oasis_hf.cache.summaries import BlockSummaries
+
+    with pytest.raises(ValueError, match="unknown block summary 'median'.*mean\\+minmax"):
+        BlockSummaries("median", 1, 1, 4, 8, torch.float32, "cpu")

@@ -197,10 +197,11 @@ def test_recall_bench_on_suite_task_prompts(tmp_path, monkeypatch):
     recall.main()
     payload = json.loads(out.with_suffix(".json").read_text())
     rows = payload["rows"]
-    assert [r["method"] for r in rows] == ["lookahead", "lookahead, minmax summaries"]
+    assert [r["method"] for r in rows] == ["lookahead", "lookahead, minmax summaries",
+                                           "lookahead, mean+minmax summaries"]
     assert all(0.0 <= r["attention mass on resident"] <= 1.0 and r["vt score"].endswith("/1") for r in rows)
     # --config reaches every row's OasisConfig (the row's own summary kept) and the recorded arguments.
-    assert [c.summary for c in built] == ["mean", "minmax"] and all(c.measure_recall for c in built)
+    assert [c.summary for c in built] == ["mean", "minmax", "mean+minmax"] and all(c.measure_recall for c in built)
     assert all((c.block_size, c.sink_tokens, c.recent_tokens, c.score_decay, c.max_fetch_blocks)
                == (16, 16, 64, 0.9, None) for c in built)
     assert payload["args"]["config"]["block_size"] == 16
