@@ -461,6 +461,24 @@ def test_mean_plus_minmax_score_is_the_average_of_both(case, backend):
     torch.testing.assert_close(both.score(query, scale, block_ok[:, None, :], backend), expected, atol=tol, rtol=1e-3)
 
 
+@pytest.mark.gpu
+def test_mean_plus_minmax_score_gpu_large():
+    """The minmax GPU test's shape (30k tokens in blocks of 16, Qwen2.5-1.5B's heads, 5 verify queries, bf16) with
+    mean keys and bounds kept: two Triton launches, averaged."""
+    from oasis_hf.cache.summaries import BlockSummaries
+
+    query, _, block_ok, scale = make_score_inputs((8, 12, 2, 5, 128, 1875), torch.bfloat16, "cuda")
+    summaries = BlockSummaries("mean+minmax", 8, 2, 1875, 128, torch.bfloat16, "cuda")
+    keys = torch.randn(8, 2, 1875, 16, 128, device="cuda", dtype=torch.bfloat16)
+    token_ok = torch.ones(8, 1, 1875, 16, dtype=torch.bool, device="cuda")
+    summaries.write(torch.arange(1875, device="cuda"), keys, token_ok)
+    low, high, mean = summaries.data
+    expected = 0.5 * (score_blocks_ref(query, mean, block_ok, scale)
+                      + _quest_bound_scores(query, low, high, block_ok, scale))
+    torch.testing.assert_close(summaries.score(query, scale, block_ok[:, None, :], "triton"), expected, atol=2e-2,
+                               rtol=1e-3)
+
+
 def test_block_summaries_refuse_an_unknown_kind():
     from oasis_hf.cache.summaries import BlockSummaries
 
