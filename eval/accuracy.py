@@ -462,11 +462,19 @@ def worker_argv(argv: list[str]) -> list[str]:
 
 def _write_merged(args, preset: dict, payload: dict) -> None:
     env = payload["env"]
+    if payload.get("merged_by"):  # an earlier run's worker files: `env` is one worker's (one GPU, its --part)
+        files = f"{payload['parts']} worker file{'s' if payload['parts'] != 1 else ''}"
+        last = (f"{files} of an earlier run, the first written by `{env['command']}`, "
+                f"merged by `{payload['merged_by']}`")
+    else:
+        last = f"merged from {payload['parts']} worker processes; `{env['command']}`"
+    if payload.get("sources"):
+        last += " (the latest of the runs listed below)"
     header = (f"Test configuration: {env.get('gpu', 'cpu')} x {env.get('gpus', 1)}, torch {env['torch']}, "
               f"transformers {env['transformers']}; model {preset['model']}, draft {preset['draft']}; lengths "
               f"{sorted({r['length'] for r in payload['rows']})}, "
               f"{preset['samples']} samples per task and length; scores 0-100 (share of expected "
-              f"strings in the answer); merged from {payload['parts']} worker processes; `{env['command']}`\n\n")
+              f"strings in the answer); {last}\n\n")
     if payload.get("sources"):
         header += "Rows united from these runs (`eval.accuracy --merge-from`), each with the code that measured it:\n\n"
         header += "".join(f"- `{s['file']}`: {s['env'].get('gpu', 'cpu')}, source sha256 "

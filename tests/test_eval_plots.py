@@ -206,6 +206,9 @@ def test_accuracy_parts_merge_what_a_killed_run_left_before_starting_anew(tmp_pa
     assert [r["length"] for r in merged["rows"]] == [8192, 16384] and merged["env"]["gpu"] == "H200"
     assert merged["rows"][1][names[0]] == 60.0  # --out's score is kept over the leftover's 50.0
     assert "--merge" in merged["merged_by"] and not list(tmp_path.glob("acc.part*"))
+    # The table's header says whose environment it shows: a worker's (one GPU, its --part command), then the merger.
+    header = result_path(out, ".md").read_text().splitlines()[0]
+    assert "1 worker file of an earlier run, the first written by `worker`, merged by `" in header
 
 
 def test_accuracy_parts_stop_handler_fires_once():
