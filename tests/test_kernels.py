@@ -480,7 +480,9 @@ def test_mean_plus_minmax_score_gpu_large():
 
 
 def test_block_summaries_refuse_an_unknown_kind():
-    from oasis_hf.cache.summaries import BlockSummaries
+    from oasis_hf.cache.summaries import _TENSORS, BlockSummaries
+    from oasis_hf.config import SUMMARY_KINDS
 
+    assert set(SUMMARY_KINDS) == set(_TENSORS)  # what OasisConfig accepts is what BlockSummaries stores
     with pytest.raises(ValueError, match="unknown block summary 'median'.*mean\\+minmax"):
         BlockSummaries("median", 1, 1, 4, 8, torch.float32, "cpu")
