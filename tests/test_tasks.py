@@ -229,5 +229,6 @@ def test_every_accuracy_method_is_a_valid_configuration_at_every_preset_budget()
     for method in PRESETS["gpu-qwen-1.5b"]["methods"]:
         config = oasis_config(512, **{k: v for k, v in METHODS[method].items() if k not in lm_only})
         if config.selector != "static" and "dense" not in METHODS[method] and "press" not in METHODS[method]:
-            assert (config.block_size, config.prefill_window_tokens, config.score_decay) == tuple(SELECTION.values())
+            assert (config.block_size, config.prefill_window_tokens, config.score_decay, config.summary) == tuple(
+                SELECTION.values())
             assert (config.sink_tokens, config.recent_tokens) == (16, 64)
