@@ -173,6 +173,90 @@ def test_kvpress_presses_compress_the_prompt(tok, press):
     assert kept and all(n_out == 128 for _, n_out in kept), kept
 
 
+def _kvpress_hooks_or_skip():
+    """kvpress 0.5.5 and a transformers it can hook (5.17), or skip saying which is missing."""
+    pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra; `pip install -e .[dev]`")
+    pytest.importorskip("kvpress", reason="kvpress is not installed (the press rows of eval.accuracy need it)")
+    import inspect
+
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    if "past_key_values" not in inspect.signature(LlamaAttention.forward).parameters:
+        pytest.skip("kvpress 0.5.5 cannot hook this transformers (5.18+): the refusal test covers it")
+
+
+@pytest.mark.parametrize("press_name", ["SnapKVPress", "ExpectedAttentionPress"])
+def test_press_question_prefill_keeps_the_budget_both_ways(press_name):
+    """`eval.press_question.prefill`: compressing the whole prompt, the press sees all of it and keeps `budget`
+    tokens (the retention of the prompt's tail is measured per layer); keeping the question, the press sees all but
+    the tail and keeps ``budget - tail``, and the tail follows uncompressed: its KV and last logits are those of a
+    plain forward of the tail over the compressed prefix at the full prompt's positions (kvpress's pipeline)."""
+    _kvpress_hooks_or_skip()
+    import torch
+    from transformers import DynamicCache
+
+    from eval.press_question import prefill
+    from oasis_hf.integrations.lm_eval import _make_press
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(0))
+    press = _make_press(press_name, model)
+    seen = []
+    compress = press.compress
+
+    def spy(module, hidden_states, keys, values, attentions, kwargs):
+        out = compress(module, hidden_states, keys, values, attentions, kwargs)
+        seen.append((keys.shape[2], out[0].shape[2]))
+        return out
+
+    press.compress = spy
+    with torch.no_grad():
+        cache, logits, shares = prefill(model, ids, press, budget=128, tail=0, probe=32)
+        assert seen == [(300, 128)] * 2 and logits.shape == (1, model.config.vocab_size)
+        assert len(shares) == 2 and all(0.0 <= s <= 1.0 for s in shares), shares
+        assert "score" not in press.__dict__  # the retention spy is gone after the prefill
+        seen.clear()
+        cache, logits, shares = prefill(model, ids, press, budget=128, tail=32, probe=32)
+        assert seen == [(268, 96)] * 2 and shares == []
+        assert {layer.keys.shape[-2] for layer in cache.layers} == {128}
+        # the tail's forward ran without the press, over the compressed prefix, at the full prompt's positions
+        prefix = DynamicCache()
+        for layer_idx, layer in enumerate(cache.layers):
+            prefix.update(layer.keys[:, :, :96].clone(), layer.values[:, :, :96].clone(), layer_idx)
+        again = model(input_ids=ids[:, 268:], past_key_values=prefix, position_ids=torch.arange(268, 300)[None])
+        torch.testing.assert_close(again.logits[:, -1], logits)
+        torch.testing.assert_close(prefix.layers[1].keys, cache.layers[1].keys)
+
+
+def test_press_question_runs_end_to_end(tmp_path, monkeypatch):
+    """`python -m eval.press_question`: every row runs on a tiny model and the table and JSON are written (plumbing:
+    the scores of a random model are not asserted)."""
+    _kvpress_hooks_or_skip()
+    import json
+    import sys
+
+    from eval import press_question
+
+    folder = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    out = tmp_path / "probe"
+    monkeypatch.setattr(sys, "argv", ["eval.press_question", "--model", str(folder), "--task", "niah_single",
+                                      "--length", "400", "--samples", "2", "--budget", "128", "--question-tokens",
+                                      "32", "--device", "cpu", "--out", str(out)])
+    press_question.main()
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [r["method"] for r in rows] == [label for label, _, _ in press_question.ROWS]
+    for row in rows:
+        assert row["niah_single score"].endswith("/2")
+        assert ("question tail kept (mean)" in row) == row["method"].endswith("whole prompt")
+    assert "question tail 32 tokens" in out.with_suffix(".md").read_text()
+    monkeypatch.setattr(sys, "argv", ["eval.press_question", "--model", str(folder), "--budget", "64",
+                                      "--question-tokens", "64"])
+    with pytest.raises(SystemExit):
+        press_question.main()
+
+
 def test_recall_bench_on_suite_task_prompts(tmp_path, monkeypatch):
     """`eval.recall --task`: a suite task's prompts instead of the pass key, its score summed per row; the minmax
     variants run (plumbing on a tiny random model: the recall values are measured, not asserted)."""
