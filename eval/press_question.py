@@ -42,8 +42,8 @@ ROWS = [("dense", None, False),
         ("expected attention, question kept", "ExpectedAttentionPress", True)]
 
 
-def prefill(model, ids: torch.Tensor, press, budget: int, tail: int, probe: int) -> tuple[DynamicCache, torch.Tensor,
-                                                                                         list[float]]:
+def prefill(model, ids: torch.Tensor, press, budget: int, tail: int,
+            probe: int) -> tuple[DynamicCache, torch.Tensor, list[float]]:
     """The prompt `ids` (1, n) into a `DynamicCache`: dense (``press=None``), compressed whole to `budget` tokens, or
     (``tail > 0``) its first ``n - tail`` tokens compressed to ``budget - tail`` and the last `tail` prefilled after
     them without the press (rotary positions of the full prompt, as kvpress's pipeline places its question).
@@ -97,8 +97,8 @@ def run_row(args, model, tokenizer, samples: list[dict], label: str, press_name:
     row = {"method": label, f"{args.task} score": f"{score:g}/{len(samples)}", "score": 100.0 * score / len(samples),
            "seconds": round(time.perf_counter() - start, 1)}
     if shares:
-        row["question tail kept (mean)"], row["question tail kept (lowest layer)"] = sum(shares) / len(shares), min(
-            shares)
+        row["question tail kept (mean)"] = sum(shares) / len(shares)
+        row["question tail kept (lowest layer)"] = min(shares)
     logger.info("%s: %s", label, row[f"{args.task} score"])
     return row
 
