@@ -2,7 +2,8 @@
 
 Queries are lower-right aligned with the keys (query ``t`` of ``T`` sits at key position ``L - T + t``), like Hugging
 Face's own attention with a cache. Handles causality, a sliding window, GQA and a 2-D padding mask ``(B, L)``;
-masks are built in query chunks so a long padded prefill never materialises a ``(B, T, L)`` mask at once.
+masks are built in query chunks so a long padded prefill never materialises a ``(B, T, L)`` mask at once, and a
+left-padded causal prefill runs unpadded per sequence (fused causal kernels, no mask at all).
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ def dense_attention(
             is_causal=is_causal and num_tokens == kv_len and num_tokens > 1,
         )  # fmt: skip
         return out.transpose(1, 2)
+    if (padding_mask is not None and sliding_window is None and is_causal and num_tokens == kv_len > 1
+            and not (query.is_cuda and torch.cuda.is_current_stream_capturing())):
+        out = _left_padded_prefill(query, key, value, padding_mask, scale, gqa, dropout)
+        if out is not None:
+            return out
     if gqa:  # explicit masks take the memory-efficient kernel, which wants equal head counts
         group = num_q_heads // num_kv_heads
         key = key.repeat_interleave(group, dim=1)
@@ -67,3 +73,27 @@ def dense_attention(
             )
         )
     return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+def _left_padded_prefill(query, key, value, padding_mask, scale: float, gqa: bool, dropout: float):
+    """A causal prefill (``T == L``) whose padding is all on the left, as one unpadded causal SDPA call per sequence:
+    the fused causal kernels (flash attention on CUDA) instead of an explicit mask, which takes the memory-efficient
+    kernel over the whole ``T x L`` square and, with GQA, K/V copied per query head. Padded query rows attend to
+    their own position, as in the masked path. Returns (B, T, H_q, D_v), or None where a real token follows a padded
+    one (the masked path handles that). Reads the padding lengths on the host: not for graph capture."""
+    mask = padding_mask.to(torch.bool)
+    if not bool((mask[:, 1:] >= mask[:, :-1]).all()):
+        return None
+    batch, num_q_heads, num_tokens, _ = query.shape
+    group = num_q_heads // key.shape[1]
+    out = query.new_empty(batch, num_tokens, num_q_heads, value.shape[-1])
+    for b, pad in enumerate((~mask).sum(dim=1).tolist()):
+        if pad:
+            out[b, :pad] = value[b, :, :pad].repeat_interleave(group, dim=0).transpose(0, 1)
+        if pad < num_tokens:
+            real = F.scaled_dot_product_attention(
+                query[b : b + 1, :, pad:], key[b : b + 1, :, pad:], value[b : b + 1, :, pad:],
+                dropout_p=dropout, scale=scale, is_causal=True, enable_gqa=gqa,
+            )  # fmt: skip
+            out[b, pad:] = real[0].transpose(0, 1)
+    return out
