@@ -49,6 +49,10 @@ def test_left_padded_prefill_runs_unpadded_per_sequence_and_matches(kv_heads, mo
     out = dense_attention(query, key, value, mask, scale=0.3)
     assert calls == [1]
     torch.testing.assert_close(out, reference(query, key, value, mask.bool(), 0.3).float())
+    # A mask with no padding at all: one batched causal call, the same result.
+    full = torch.ones(3, 24, dtype=torch.long)
+    torch.testing.assert_close(dense_attention(query, key, value, full, scale=0.3),
+                               reference(query, key, value, None, 0.3).float())
 
 
 def test_masks_the_fast_path_does_not_take_match_too(monkeypatch):

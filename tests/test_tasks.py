@@ -136,17 +136,11 @@ def test_kvpress_presses_compress_the_prompt(tok, press):
     """Where kvpress can hook this transformers (5.17, the GPU box's): the press really compresses each layer's prompt
     KV to `budget` tokens (kvpress 0.5.5 reads a ``cache_position`` that transformers 5.x no longer passes, which
     OasisLM supplies while the press is active), and generation runs."""
-    pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra; `pip install -e .[dev]`")
-    pytest.importorskip("kvpress", reason="kvpress is not installed (the press rows of eval.accuracy need it)")
-    import inspect
-
+    _kvpress_hooks_or_skip()
     from lm_eval.api.instance import Instance
-    from transformers.models.llama.modeling_llama import LlamaAttention
 
     from oasis_hf.integrations.lm_eval import OasisLM
 
-    if "past_key_values" not in inspect.signature(LlamaAttention.forward).parameters:
-        pytest.skip("kvpress 0.5.5 cannot hook this transformers (5.18+): the refusal test covers it")
     gen = {"until": [], "max_gen_toks": 6, "do_sample": False}
     prompts = [" ".join(f"word{(i * 7 + j) % 90}" for j in range(n)) for i, n in enumerate((300, 280))]
     requests = [Instance(request_type="generate_until", doc={}, arguments=(p, dict(gen)), idx=i)

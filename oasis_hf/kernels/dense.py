@@ -82,12 +82,17 @@ def _left_padded_prefill(query, key, value, padding_mask, scale: float, gqa: boo
     their own position, as in the masked path. Returns (B, T, H_q, D_v), or None where a real token follows a padded
     one (the masked path handles that). Reads the padding lengths on the host: not for graph capture."""
     mask = padding_mask.to(torch.bool)
-    if not bool((mask[:, 1:] >= mask[:, :-1]).all()):
+    left = (mask[:, 1:] >= mask[:, :-1]).all(dim=1)  # (B,) no real token before a padded one
+    pads = torch.stack([(~mask).sum(dim=1), left.long()]).tolist()  # one host read for both
+    if not all(pads[1]):
         return None
+    if not any(pads[0]):  # no padding at all: one batched call
+        return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scale, is_causal=True,
+                                              enable_gqa=gqa).transpose(1, 2)
     batch, num_q_heads, num_tokens, _ = query.shape
     group = num_q_heads // key.shape[1]
     out = query.new_empty(batch, num_tokens, num_q_heads, value.shape[-1])
-    for b, pad in enumerate((~mask).sum(dim=1).tolist()):
+    for b, pad in enumerate(pads[0]):
         if pad:
             out[b, :pad] = value[b, :, :pad].repeat_interleave(group, dim=0).transpose(0, 1)
         if pad < num_tokens:
