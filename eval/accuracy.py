@@ -147,6 +147,9 @@ def main() -> None:
         merge_parts(args, preset_of(args), part_files(args.out), resume=True, parts=None)
         clear_worker_files(args.out)  # merged: the rows are in --out now
         return
+    drafted = [m for m in preset_of(args)["methods"] if METHODS[m].get("draft")]
+    if drafted and not PRESETS[args.preset]["draft"]:
+        parser.error(f"{drafted} need a draft model and preset {args.preset!r} names none")
     if args.parts is not None:
         run_parts(parser, args)
         return
@@ -163,7 +166,7 @@ def main() -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     preset["whole_step_graphs"] = device.startswith("cuda") and not args.eager
     model, tokenizer = models.load(preset["model"], device=device)
-    draft = models.load(preset["draft"], device=device)[0] if preset["draft"] else None
+    draft = None  # loaded by the first row that runs with it: a run of baseline rows never reads its weights
     suite = cached_suite(tokenizer, preset["model"], preset["lengths"], preset["samples"])
     manager = TaskManager(include_path=[str(folder) for folder in suite])
     # One harness call per (length, method, budget, task): each finished task is written at once, so a time
@@ -171,8 +174,7 @@ def main() -> None:
     for length in preset["lengths"]:
         for method in preset["methods"]:
             fields = dict(METHODS[method])
-            if fields.pop("draft", False):
-                fields["draft_model"] = draft
+            needs_draft = fields.pop("draft", False)
             batch_size = fields.pop("batch_size", preset["batch_size"])
             for budget in ([None] if fields.get("dense") else preset["budgets"]):
                 key = (method, budget or "full", length)
@@ -185,6 +187,10 @@ def main() -> None:
                     if args.part is not None and not claim(args.out, (*key, task)):
                         continue  # another worker has it
                     if lm is None:
+                        if needs_draft:
+                            if draft is None:
+                                draft = models.load(preset["draft"], device=device)[0]
+                            fields["draft_model"] = draft
                         lm = OasisLM(pretrained=model, tokenizer=tokenizer, budget=budget or 2048,
                                      device=device, batch_size=batch_size, graphs=preset["whole_step_graphs"],
                                      **fields)

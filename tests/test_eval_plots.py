@@ -285,3 +285,54 @@ def test_environment_records_the_code_identity_taken_when_the_run_started(monkey
     assert set(first) >= {"git_sha", "source_sha256"}
     monkeypatch.setattr(_common, "source_hash", lambda: "edited-later")
     assert _common.environment()["source_sha256"] == first["source_sha256"] != "edited-later"
+
+
+def test_accuracy_loads_the_draft_only_for_a_row_that_runs_with_it(tmp_path, monkeypatch):
+    """A run of baseline rows never loads the draft (a GPU session that runs only the presses need not carry its
+    weights); the first drafted row loads it once and hands it to every drafted row; a drafted method on a preset
+    without a draft stops before any model is loaded."""
+    import sys
+
+    import lm_eval
+    import lm_eval.tasks
+    import torch
+
+    from eval import accuracy
+    from oasis_hf.integrations import lm_eval as oasis_lm_eval
+
+    loaded, made = [], []
+
+    def load(name, device=None):
+        loaded.append(name)
+        return torch.nn.Linear(1, 1), f"tokenizer of {name}"
+
+    class FakeLM:
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+
+    monkeypatch.setattr(accuracy.models, "load", load)
+    monkeypatch.setattr(accuracy, "cached_suite", lambda *args: [])
+    monkeypatch.setattr(accuracy, "report", lambda *args, **kwargs: None)
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda include_path: None)
+    monkeypatch.setattr(lm_eval, "simple_evaluate",
+                        lambda model, tasks, task_manager: {"results": {tasks[0]: {"score,none": 50.0}}})
+    monkeypatch.setattr(oasis_lm_eval, "OasisLM", FakeLM)
+
+    def run(*methods, preset="gpu-qwen-1.5b"):
+        loaded.clear(), made.clear()
+        monkeypatch.setattr(sys, "argv", ["eval.accuracy", "--preset", preset, "--device", "cpu", "--lengths", "8192",
+                                          "--budgets", "512", "--tasks", "niah_single", "--out",
+                                          str(tmp_path / "acc"), "--methods", *methods])
+        accuracy.main()
+
+    run("static (StreamingLLM)", "kvpress SnapKV")
+    assert loaded == ["qwen2.5-coder-1.5b-instruct"] and len(made) == 2
+    assert not any("draft_model" in kwargs for kwargs in made)
+
+    run("static (StreamingLLM)", "lookahead (draft model)", "lookahead (draft model, mean summaries)")
+    assert loaded == ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"] and len(made) == 3
+    assert "draft_model" not in made[0] and made[1]["draft_model"] is made[2]["draft_model"] is not None
+
+    with pytest.raises(SystemExit):
+        run("lookahead (draft model)", preset="cpu-smollm2-2k")
+    assert loaded == []
