@@ -26,6 +26,18 @@ from oasis_hf.cache.pinned import capturing
 logger = logging.getLogger(__name__)
 
 
+PREFILL_MASK_ELEMS = 1 << 27  # at most 128 Mi entries of the (B, 1, chunk, keys) mask transformers builds per chunk
+
+
+def prefill_chunks(batch: int, num_tokens: int, num_keys: int) -> list[tuple[int, int]]:
+    """Query ranges ``[start, end)`` that split a draft prefill of `num_tokens` tokens against up to `num_keys` keys
+    so that the 4-D mask transformers builds for SDPA, ``(batch, 1, end - start, num_keys)``, stays under
+    `PREFILL_MASK_ELEMS` entries (SDPA also turns a boolean mask into an additive one in the activations' dtype).
+    Unchunked, a left-padded batch of 8 x 30k tokens built a 7 GB boolean mask and asked for 13.4 GiB more."""
+    rows = max(1, PREFILL_MASK_ELEMS // max(1, batch * num_keys))
+    return [(start, min(num_tokens, start + rows)) for start in range(0, num_tokens, rows)]
+
+
 def positions(mask: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """(B, T) positions of the last `num_tokens` tokens under the 2-D padding `mask` (B, L)."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -num_tokens:]
@@ -53,8 +65,9 @@ class EagerDraft:
         return self.cache.get_seq_length()
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
-        """Append the prompt `ids` (B, P) whose padding mask is `mask` (B, P)."""
-        self.feed(ids, mask)
+        """Append the prompt `ids` (B, P) whose padding mask is `mask` (B, P), in query chunks (`prefill_chunks`)."""
+        for start, end in prefill_chunks(ids.shape[0], ids.shape[1], ids.shape[1]):
+            self.feed(ids[:, start:end], mask[:, :end])
 
     def feed(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Append `ids` (B, T); `mask` (B, length + T): the padding mask up to them. Returns last logits (B, V)."""
@@ -160,7 +173,8 @@ class GraphedDraft:
         return self.cache.length
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
-        """The prompt `ids` (B, P) with its padding `mask` (B, P), eagerly (transformers builds the mask)."""
+        """The prompt `ids` (B, P) with its padding `mask` (B, P), eagerly (transformers builds the mask), in query
+        chunks (`prefill_chunks`: the mask spans all `max_len` keys)."""
         if self.length:
             raise RuntimeError("GraphedDraft.prefill on a non-empty draft cache")
         num = ids.shape[1]
@@ -169,9 +183,11 @@ class GraphedDraft:
         self.real_ok[:, :num] = mask.bool()
         full = torch.ones_like(self.real_ok, dtype=mask.dtype)
         full[:, :num] = mask
-        self.model(input_ids=ids, attention_mask=full, position_ids=positions(mask, num), use_cache=True,
-                   **{self.kwarg: self.cache}, **_compat.last_logits_only(self.model))
-        self._advance(num, mask.long().sum(-1))
+        where = positions(mask, num)
+        for start, end in prefill_chunks(ids.shape[0], num, self.cache.max_len):
+            self.model(input_ids=ids[:, start:end], attention_mask=full, position_ids=where[:, start:end],
+                       use_cache=True, **{self.kwarg: self.cache}, **_compat.last_logits_only(self.model))
+            self._advance(end - start, mask[:, start:end].long().sum(-1))
 
     def feed(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Append `ids` (B, T) one token at a time (all real tokens); returns the last logits (B, V)."""

@@ -244,6 +244,50 @@ def test_fixed_size_draft_equals_dynamic_cache_draft(family):
             fixed.feed(torch.zeros(3, 1, dtype=torch.long), None)  # ... then one more token is refused, clearly
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["graphed", "eager"])
+def test_draft_prefill_in_query_chunks_equals_one_forward(family, kind, monkeypatch):
+    """A draft prefill split into query chunks (`prefill_chunks`: transformers' 4-D mask of an unchunked left-padded
+    8 x 30k prefill asked for 13.4 GiB on the H200) leaves the K/V of one whole-prompt forward at every real position,
+    and the next steps' logits are the same."""
+    import oasis_hf.draft as draft_module
+    from oasis_hf.draft import EagerDraft, GraphedDraft, prefill_chunks
+
+    assert prefill_chunks(8, 30000, 30200)[:2] == [(0, 555), (555, 1110)]
+    assert prefill_chunks(1, 5, 5) == [(0, 5)] and prefill_chunks(2, 10, 10**9) == [(i, i + 1) for i in range(10)]
+    draft = tiny_model(family, layers=2)
+    ids, mask = left_padded([50, 37, 44], seed=4)
+    forward, runners = draft.forward, []
+    for elems in (draft_module.PREFILL_MASK_ELEMS, 3 * 70 * 7):  # one chunk; then chunks of 7 (graphed) or 9 queries
+        monkeypatch.setattr(draft_module, "PREFILL_MASK_ELEMS", elems)
+        runner = GraphedDraft(draft, 3, 70, "cpu") if kind == "graphed" else EagerDraft(draft)
+        widths = []
+
+        def counting(*args, widths=widths, **kwargs):
+            widths.append(kwargs["input_ids"].shape[1])
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(draft, "forward", counting)
+        with torch.inference_mode():
+            runner.prefill(ids, mask)
+        monkeypatch.setattr(draft, "forward", forward)
+        runners.append((runner, widths))
+    (whole, one), (chunked, many) = runners
+    assert one == [50] and many == ([7] * 7 + [1] if kind == "graphed" else [9] * 5 + [5])
+    assert whole.length == chunked.length == 50
+    real = mask.bool()
+    for a, b in zip(whole.cache.layers, chunked.cache.layers, strict=True):
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            torch.testing.assert_close(x[:, :, :50].transpose(1, 2)[real], y[:, :, :50].transpose(1, 2)[real],
+                                       atol=1e-5, rtol=1e-5)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for _ in range(3):
+            tokens = torch.randint(0, VOCAB, (3, 2), generator=gen)
+            mask = torch.cat([mask, mask.new_ones(3, 2)], dim=1)
+            torch.testing.assert_close(whole.feed(tokens, mask), chunked.feed(tokens, mask), atol=1e-5, rtol=1e-5)
+
+
 def test_speculative_with_fixed_size_draft_equals_target_greedy(target, monkeypatch):
     """The whole loop with the fixed-size draft (as CUDA would run it) still equals the target's greedy output."""
     import oasis_hf.speculative as spec
