@@ -317,9 +317,11 @@ def test_draft_with_sliding_layers_is_not_graphed():
 
 
 @pytest.mark.gpu
-def test_graphed_draft_on_cuda_replays_and_stays_exact():
+def test_graphed_draft_on_cuda_replays_and_stays_exact(monkeypatch):
     """On CUDA the draft's one-token steps are graph replays (captured at the second step) with the logits of the
-    eager DynamicCache draft, and the loop's greedy output still equals the target's."""
+    eager DynamicCache draft (the graphed draft prefilled in query chunks, the eager one in one forward), and the
+    loop's greedy output still equals the target's."""
+    import oasis_hf.draft as draft_module
     from oasis_hf.draft import EagerDraft, GraphedDraft, make_draft
 
     draft = tiny_model("qwen2", layers=2, device="cuda")
@@ -329,7 +331,9 @@ def test_graphed_draft_on_cuda_replays_and_stays_exact():
     eager = EagerDraft(draft)
     assert isinstance(fixed, GraphedDraft)
     with torch.inference_mode():
-        fixed.prefill(ids, mask)
+        with monkeypatch.context() as patch:  # chunks of 8 queries against the 90 keys of the fixed cache
+            patch.setattr(draft_module, "PREFILL_MASK_ELEMS", 3 * 90 * 8)
+            fixed.prefill(ids, mask)
         eager.prefill(ids, mask)
         gen = torch.Generator().manual_seed(0)
         for rewind in (0, 2, 0, 1, 0):
