@@ -97,7 +97,7 @@ PRESETS = {
                            methods=["dense", "static (StreamingLLM)", "current-query", "previous-query",
                                     "lookahead (prompt lookup 3)"], batch_size=1),
     # The same rows at one budget and one sample per task: a check of the whole machinery that runs on 2 CPU cores in
-    # about 6 minutes (343 s measured, model load and suite included); one answer is 11 points of a row's average.
+    # about 6 minutes (351 s measured, model load and suite included); one answer is 11 points of a row's average.
     "cpu-smollm2-2k-quick": dict(model="smollm2-135m-instruct", draft=None, lengths=[2000], samples=1, budgets=[256],
                                  methods=["dense", "static (StreamingLLM)", "current-query", "previous-query",
                                           "lookahead (prompt lookup 3)"], batch_size=1),

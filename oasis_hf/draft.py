@@ -65,8 +65,11 @@ class EagerDraft:
         return self.cache.get_seq_length()
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
-        """Append the prompt `ids` (B, P) whose padding mask is `mask` (B, P), in query chunks (`prefill_chunks`)."""
-        for start, end in prefill_chunks(ids.shape[0], ids.shape[1], ids.shape[1]):
+        """Append the prompt `ids` (B, P) whose padding mask is `mask` (B, P): in query chunks (`prefill_chunks`)
+        where some sequence is padded; unpadded, one forward (transformers then passes SDPA no mask: ``is_causal``)."""
+        num = ids.shape[1]
+        chunks = [(0, num)] if bool(mask.all()) else prefill_chunks(ids.shape[0], num, num)
+        for start, end in chunks:
             self.feed(ids[:, start:end], mask[:, :end])
 
     def feed(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -286,6 +286,13 @@ def test_draft_prefill_in_query_chunks_equals_one_forward(family, kind, monkeypa
             tokens = torch.randint(0, VOCAB, (3, 2), generator=gen)
             mask = torch.cat([mask, mask.new_ones(3, 2)], dim=1)
             torch.testing.assert_close(whole.feed(tokens, mask), chunked.feed(tokens, mask), atol=1e-5, rtol=1e-5)
+    if kind == "eager":  # unpadded, one forward: transformers then gives SDPA no mask at all (is_causal)
+        widths = []  # (PREFILL_MASK_ELEMS still makes chunks of 16 here: 1470 // (3 x 30))
+        monkeypatch.setattr(draft, "forward",
+                            lambda *a, **k: widths.append(k["input_ids"].shape[1]) or forward(*a, **k))
+        with torch.inference_mode():
+            EagerDraft(draft).prefill(ids[:, -30:], torch.ones_like(ids[:, -30:]))
+        assert widths == [30] and prefill_chunks(3, 30, 30) == [(0, 16), (16, 30)]
 
 
 def test_speculative_with_fixed_size_draft_equals_target_greedy(target, monkeypatch):
