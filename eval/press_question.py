@@ -27,7 +27,7 @@ from transformers import DynamicCache
 
 from eval._common import code_identity, environment, finish, markdown_table
 from oasis_hf import _compat, models
-from oasis_hf.integrations.lm_eval import _cache_positions, _make_press
+from oasis_hf.integrations.lm_eval import _cache_positions, _make_press, press_ratio
 from oasis_hf.integrations.static_decode import greedy_continue
 from oasis_hf.tasks import TASKS
 from oasis_hf.tasks.ruler import generate as task_samples
@@ -54,8 +54,7 @@ def prefill(model, ids: torch.Tensor, press, budget: int, tail: int,
         out = model(input_ids=ids, past_key_values=cache, use_cache=True, **last)
         return cache, out.logits[:, -1], shares
     head = ids[:, : ids.shape[1] - tail]
-    # kvpress keeps int(n * (1 - ratio)) tokens: aim half a token above so that rounding lands on the budget
-    press.compression_ratio = max(0.0, 1.0 - (budget - tail + 0.5) / head.shape[1])
+    press.compression_ratio = press_ratio(budget - tail, head.shape[1])
     if not tail:
         score = press.score
 

@@ -114,8 +114,7 @@ class OasisLM(HFLM):
             if context.shape[0] != 1:
                 raise UnsupportedError("kvpress baselines compress one prompt at a time: run with --batch_size 1")
             # The same KV size as OasisKV at this budget: keep `budget` of the prompt's tokens per layer and head.
-            # kvpress keeps int(n * (1 - ratio)) tokens: aim half a token above the budget so rounding lands on it.
-            self.press.compression_ratio = max(0.0, 1.0 - (self.budget + 0.5) / context.shape[1])
+            self.press.compression_ratio = press_ratio(self.budget, context.shape[1])
             if self.graphs:
                 return self._press_graphed(context, max_length, generation_kwargs)
             with self.press(self.model), _cache_positions(self.model):
@@ -201,6 +200,12 @@ def _cache_positions(model):
     finally:
         for handle in handles:
             handle.remove()
+
+
+def press_ratio(keep: int, num_tokens: int) -> float:
+    """The kvpress ``compression_ratio`` that keeps `keep` of `num_tokens` tokens (all of them if fewer): kvpress keeps
+    ``int(n * (1 - ratio))``, so aim half a token above `keep` and let the rounding land on it."""
+    return max(0.0, 1.0 - (keep + 0.5) / num_tokens)
 
 
 def _make_press(name: str, model):
