@@ -33,7 +33,8 @@ def prefill_chunks(batch: int, num_tokens: int, num_keys: int) -> list[tuple[int
     """Query ranges ``[start, end)`` that split a draft prefill of `num_tokens` tokens against up to `num_keys` keys
     so that the 4-D mask transformers builds for SDPA, ``(batch, 1, end - start, num_keys)``, stays under
     `PREFILL_MASK_ELEMS` entries (SDPA also turns a boolean mask into an additive one in the activations' dtype).
-    Unchunked, a left-padded batch of 8 x 30k tokens built a 7 GB boolean mask and asked for 13.4 GiB more."""
+    Unchunked, a left-padded batch of 8 x 30k tokens built a boolean mask of 7.2 GB (by its size)
+    and asked for 13.4 GiB more (the H200's out-of-memory message)."""
     rows = max(1, PREFILL_MASK_ELEMS // max(1, batch * num_keys))
     return [(start, min(num_tokens, start + rows)) for start in range(0, num_tokens, rows)]
 
