@@ -68,7 +68,7 @@ def plot_vs_budget(rows: list[dict], value: str, path: Path, ylabel: str, title:
     rows = [r for r in rows if isinstance(r.get(value), (int, float))]  # "no decode step" and the like: not drawn
     panels = sorted({r.get(panel) for r in rows}, key=lambda v: (v is None, v or 0)) if panel else [None]
     panels = panels or [None]
-    fig, axes = plt.subplots(1, len(panels), figsize=(7 if len(panels) == 1 else 4.6 * len(panels), 4.2),
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 if len(panels) == 1 else 4.6 * len(panels) + 3.4, 4.2),
                              sharex=True, sharey=True, squeeze=False)
     # One colour per method across the panels, and one legend with every method of any panel.
     colours = {m: f"C{i % 10}" for i, m in enumerate(dict.fromkeys(r["method"] for r in rows if r["budget"] != "full"))}
@@ -85,15 +85,20 @@ def plot_vs_budget(rows: list[dict], value: str, path: Path, ylabel: str, title:
                 (line,) = ax.plot(*zip(*points, strict=True), marker="o", c=colours[method])
                 legend.setdefault(method, line)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("budget (tokens per sequence, KV head and layer)")
         ax.set_title(title if panel is None else f"{panel} {key if key is not None else '(not recorded)'}",
                      fontsize=10)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(ylabel)
+    xlabel = "budget (tokens per sequence, KV head and layer)"
+    if len(panels) == 1:
+        axes[0][0].set_xlabel(xlabel)
+    else:  # once under the panels
+        fig.supxlabel(xlabel, fontsize=10)
     if panel is not None:
         fig.suptitle(title, fontsize=10)
-    if legend:
-        axes[0][-1].legend(list(legend.values()), list(legend), fontsize=8)
+    if legend:  # beside the panels when there are several, so that it hides no line
+        where = {} if len(panels) == 1 else {"loc": "upper left", "bbox_to_anchor": (1.02, 1.0)}
+        axes[0][-1].legend(list(legend.values()), list(legend), fontsize=8, **where)
     return save_figure(fig, plt, result_path(path, ".png"))
 
 
