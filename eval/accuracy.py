@@ -46,7 +46,7 @@ import torch
 from eval._common import code_identity, environment, markdown_table, write_results
 from eval.plot import plot_vs_budget, result_path
 from oasis_hf import models
-from oasis_hf.tasks import TASKS, write_suite
+from oasis_hf.tasks import TASKS, relocate_suite, write_suite
 
 logger = logging.getLogger("eval.accuracy")
 
@@ -224,7 +224,8 @@ def cached_suite(tokenizer, model_name: str, lengths: list[int], samples: int) -
     and by the ``--parts`` workers: generating it tokenizes every prompt (about 20 s per 8k length at 50 samples,
     minutes at 30k). The key covers the generator's source, so a changed generator writes a new suite; a file lock
     makes concurrent workers wait for the first writer, and a folder counts only once its ``complete`` mark is
-    written. Pass the list to lm-eval's ``TaskManager(include_path=...)``."""
+    written. A folder copied from another machine or cache is pointed at its own data first (`relocate_suite`).
+    Pass the list to lm-eval's ``TaskManager(include_path=...)``."""
     import hashlib
     import inspect
 
@@ -240,6 +241,7 @@ def cached_suite(tokenizer, model_name: str, lengths: list[int], samples: int) -
                 logger.info("writing the suite (%d tokens, %d samples per task) to %s", length, samples, folder)
                 write_suite(folder, tokenizer, [length], samples)
                 (folder / "complete").write_text(f"{model_name} {length} {samples}\n")
+            relocate_suite(folder)
         folders.append(folder)
     return folders
 

@@ -146,6 +146,30 @@ def test_accuracy_suite_is_written_once_per_key_and_reused(tmp_path, monkeypatch
     assert accuracy.cached_suite(None, "m", [8192, 16384], 5) == first and len(written) == 6
 
 
+def test_accuracy_suite_copied_to_another_cache_is_reused_and_reads_its_own_data(tmp_path, monkeypatch):
+    """A suite cache written on one machine and unpacked under another OASIS_HF_CACHE (as the GPU runs do) is
+    complete, so it is not written again, and its YAMLs are pointed at the new folder's data before lm-eval reads
+    them (before, they named the first machine's folder and every task failed with FileNotFoundError)."""
+    import shutil
+
+    from eval import accuracy
+    from tests._factories import tiny_tokenizer
+
+    monkeypatch.setenv("OASIS_HF_CACHE", str(tmp_path / "a"))
+    [first] = accuracy.cached_suite(tiny_tokenizer(), "m", [300], 1)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "a")
+    monkeypatch.setenv("OASIS_HF_CACHE", str(tmp_path / "b"))
+    monkeypatch.setattr(accuracy, "write_suite", lambda *args: pytest.fail("a complete suite was written again"))
+    [again] = accuracy.cached_suite(None, "m", [300], 1)
+    assert again.name == first.name and again.parent == tmp_path / "b" / "suites"
+    yamls = sorted(again.glob("oasis_ruler_*_300.yaml"))
+    assert len(yamls) == 9
+    for yaml in yamls:
+        data = again.resolve() / "data" / f"{yaml.stem}.jsonl"
+        assert f"test: {data}\n" in yaml.read_text() and data.is_file()
+
+
 def _accuracy_rows(length: int, scores: dict) -> dict:
     return {"method": "dense", "budget": "full", "length": length, **scores}
 

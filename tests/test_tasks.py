@@ -1,11 +1,13 @@
 """The RULER-style suite: deterministic generation, answers that really are in the prompt, scoring, lm-eval."""
 
+import shutil
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
-from oasis_hf import UnsupportedError
-from oasis_hf.tasks import TASKS, generate, process_results, string_match_all, write_suite
+from oasis_hf import OasisError, UnsupportedError
+from oasis_hf.tasks import TASKS, generate, process_results, relocate_suite, string_match_all, write_suite
 from tests._factories import tiny_model, tiny_tokenizer
 
 
@@ -62,7 +64,8 @@ def test_lm_eval_runs_the_suite_with_the_oasis_model(tok, tmp_path):
 
     from oasis_hf.integrations.lm_eval import OasisLM, register_lm_eval
 
-    suite = write_suite(tmp_path / "suite", tok, lengths=[300], num_samples=2, tasks=["niah_single", "qa"])
+    written = write_suite(tmp_path / "written", tok, lengths=[300], num_samples=2, tasks=["niah_single", "qa"])
+    suite = relocate_suite(shutil.move(written, tmp_path / "suite"))  # a moved suite, pointed at its own data
     assert register_lm_eval() == "oasis"
     model = tiny_model("llama")
     lm = OasisLM(pretrained=model, tokenizer=tok, budget=128, block_size=16, selector="lookahead", device="cpu",
@@ -79,6 +82,36 @@ def test_lm_eval_runs_the_suite_with_the_oasis_model(tok, tmp_path):
         assert 0.0 <= scores[name]["score,none"] <= 100.0
     assert model.config._attn_implementation == "oasis"
     assert lm.host_pool.reused >= 1  # later request batches took the host buffers of earlier ones
+
+
+def test_a_copied_suite_is_pointed_at_its_own_data(tok, tmp_path, capsys):
+    """The YAMLs name their data by absolute path (lm-eval resolves a relative one against the working directory),
+    so a copy reads the original's files until `relocate_suite` rewrites them; a second call writes nothing, and a
+    copy that lacks a data file is refused by name. `make --relocate` does the same from the command line."""
+    from oasis_hf.tasks import make
+
+    original = write_suite(tmp_path / "a", tok, lengths=[300], num_samples=1, tasks=["niah_single", "qa"])
+    copy = Path(shutil.copytree(original, tmp_path / "b"))
+    yamls = sorted(copy.glob("oasis_ruler_*_300.yaml"))
+    assert len(yamls) == 2 and all(str(original.resolve() / "data") in y.read_text() for y in yamls)
+    assert relocate_suite(copy) == copy
+    texts = [y.read_text() for y in yamls]
+    data = copy.resolve() / "data"
+    assert all(f"test: {data / (y.stem + '.jsonl')}\n" in t for y, t in zip(yamls, texts, strict=True))
+    assert (copy / "oasis_ruler.yaml").read_text() == (original / "oasis_ruler.yaml").read_text()
+    stamps = [y.stat().st_mtime_ns for y in yamls]
+    relocate_suite(copy)
+    assert [y.stat().st_mtime_ns for y in yamls] == stamps and [y.read_text() for y in yamls] == texts
+
+    moved = Path(shutil.move(copy, tmp_path / "c"))
+    make.main(["--relocate", str(moved)])
+    assert "the task YAMLs read its data/ folder" in capsys.readouterr().out
+    assert str(moved.resolve() / "data") in (moved / "oasis_ruler_qa_300.yaml").read_text()
+    (moved / "data" / "oasis_ruler_qa_300.jsonl").unlink()
+    with pytest.raises(OasisError, match="oasis_ruler_qa_300.yaml reads oasis_ruler_qa_300.jsonl"):
+        relocate_suite(moved)
+    with pytest.raises(SystemExit):
+        make.main(["--lengths", "300"])  # no --out and no --relocate
 
 
 def test_kvpress_baseline_is_refused_with_the_reason(tok):
