@@ -78,7 +78,7 @@ class DecodeGraph:
         self._kwarg = _compat.cache_kwarg(model)
         self._graphs: dict[int, _Captured] = {}
         self._warm: dict[int, int] = {}  # T -> the table epoch its last eager run saw
-        self._starts: dict[torch.device, torch.Tensor] = {}
+        self._starts: dict[torch.device, torch.Tensor] = {}  # (2,) long per device: the step's first position, end
         self._forked: dict[torch.device, torch.cuda.Stream] = {}
         self._pool = None
         self.replays = 0
@@ -86,7 +86,11 @@ class DecodeGraph:
     # ------------------------------------------------------------------------------------------ used by layers
     def start(self, device: torch.device) -> torch.Tensor:
         """The step's first position as a 0-d long tensor on `device` (filled before every run or replay)."""
-        return self._starts[torch.device(device)]
+        return self._starts[torch.device(device)][0]
+
+    def end(self, device: torch.device) -> torch.Tensor:
+        """The step's first position plus ``T`` (the sequence length after it), a 0-d long tensor on `device`."""
+        return self._starts[torch.device(device)][1]
 
     def fork(self, device: torch.device) -> torch.cuda.Stream | None:
         """The prefetch stream of `device`, ordered after the work issued so far on the current stream (None on the
@@ -123,10 +127,11 @@ class DecodeGraph:
             if layer.writeback_event is not None:  # rows an eager step wrote back: landed before this step reads
                 current.wait_event(layer.writeback_event)
                 layer.writeback_event = None
-        scalar = self._starts.get(device)
-        if scalar is None:
-            scalar = self._starts[device] = torch.zeros((), dtype=torch.long, device=device)
-        scalar.fill_(start)
+        scalars = self._starts.get(device)
+        if scalars is None:
+            scalars = self._starts[device] = torch.zeros(2, dtype=torch.long, device=device)
+        scalars[0].fill_(start)  # fill kernels with the values as arguments: no host buffer to race with
+        scalars[1].fill_(start + num_tokens)
         epoch = cache._epoch
         entry = self._graphs.get(num_tokens)
         graphs = device.type == "cuda" and cache.config.cuda_graphs

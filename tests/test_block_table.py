@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oasis_hf.cache.block_table import INF, BlockTable
+from oasis_hf.kernels import append_tokens_ref
 
 
 def random_scores(gen, batch, heads, capacity, num_blocks, forced):
@@ -35,13 +36,20 @@ def test_random_operations_keep_invariants(seed, slots, cap, ops):
             num_blocks = max(1, num_blocks - int(torch.randint(0, 3, (1,), generator=gen)))
             table.drop_from(num_blocks)
         elif op == "allocate" and num_blocks < table.capacity_blocks:
-            # The decode step's fixed-shape call: candidates (tail, next), installing only those not resident.
-            resident = table.slot_block[..., :slots]
-            pinned = resident == num_blocks - 1  # keep the current tail
-            candidates = torch.tensor([num_blocks - 1, num_blocks]).expand(batch, heads, -1)
-            fresh = table.block_slot.gather(-1, candidates) < 0
-            table.allocate(candidates, pinned, fresh)
-            assert bool((table.slot_block[..., :slots] == num_blocks).any(-1).all()), "new block not resident"
+            # The decode step's bookkeeping for two tokens that end the tail block and start the next one: the next
+            # block gets a slot (the tail, when resident, keeps its own).
+            bs, dim = 4, 2
+            tail_resident = (table.slot_block[..., :slots] == num_blocks - 1).any(-1)
+            pool = torch.zeros(batch, heads, slots, bs, dim)
+            summaries = torch.zeros(1, batch, heads, table.capacity_blocks, dim)
+            tokens = torch.randn(batch, heads, 2, dim, generator=gen)
+            start = torch.tensor(num_blocks * bs - 1)
+            append_tokens_ref(tokens, tokens, start, pool, pool.clone(), table.slot_block, table.slot_score,
+                              table.block_slot, summaries, torch.zeros(batch, dtype=torch.long), kind="mean",
+                              sink_blocks=0, recent_blocks=1)
+            after = table.slot_block[..., :slots]
+            assert bool((after == num_blocks).any(-1).all()), "new block not resident"
+            assert bool(((after == num_blocks - 1).any(-1) | ~tail_resident).all()), "the tail was evicted"
             num_blocks += 1
         else:
             forced = [0, num_blocks - 1]

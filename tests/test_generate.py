@@ -222,8 +222,10 @@ def test_registration_is_explicit():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("backend", ["triton"])
-def test_triton_backend_inside_generate(backend):
+@pytest.mark.parametrize(("selector", "summary"), [("current-query", "minmax"), ("lookahead", "mean+minmax")])
+def test_triton_backend_inside_generate(selector, summary):
+    """The fused decode step (append_tokens, score_blocks, plan_blocks, gather_blocks, sparse attention with its
+    merge) on the Triton kernels gives the twins' tokens and fetches, under real selection (8 slots)."""
     from oasis_hf.kernels import INTERPRET, TRITON_AVAILABLE
 
     if not (TRITON_AVAILABLE and (INTERPRET or torch.cuda.is_available())):
@@ -231,10 +233,20 @@ def test_triton_backend_inside_generate(backend):
     dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
     model = tiny_model("qwen2", attn="oasis", device=dev)
     ids, mask = left_padded([90, 70])
-    small = dict(budget_tokens=128, max_fetch_blocks=2)  # 8 slots: few interpreter iterations, real selection
-    ref = generate(model, ids.to(dev), mask.to(dev), oasis_cache(model, kernel_backend="torch", **small))
-    out = generate(model, ids.to(dev), mask.to(dev), oasis_cache(model, kernel_backend=backend, **small))
-    assert torch.equal(out, ref)
+    # Jobs inline: Triton's interpreter cannot run kernels from two threads (the cache refuses it, tested below).
+    small = dict(budget_tokens=128, max_fetch_blocks=2, selector=selector, summary=summary, prefetch=False)
+    fetched = []
+    outs = []
+    for backend in ("torch", "triton"):
+        with oasis_cache(model, kernel_backend=backend, **small) as cache:
+            outs.append(generate(model, ids.to(dev), mask.to(dev), cache))
+            fetched.append(cache.stats.summary()["fetched_blocks"])
+    assert torch.equal(outs[1], outs[0])
+    assert fetched[1] == fetched[0]
+    if INTERPRET and selector == "lookahead":
+        with oasis_cache(model, kernel_backend="triton", **dict(small, prefetch=True)) as cache:
+            with pytest.raises(UnsupportedError, match="prefetch=False"):
+                generate(model, ids, mask, cache)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

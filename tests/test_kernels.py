@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from oasis_hf.kernels import (
     INTERPRET,
     TRITON_AVAILABLE,
+    append_tokens,
+    append_tokens_ref,
     copy_rows,
     copy_rows_ref,
     gather_blocks,
@@ -20,6 +22,8 @@ from oasis_hf.kernels import (
     score_blocks_ref,
     sparse_attention,
     sparse_attention_ref,
+    write_tokens,
+    write_tokens_ref,
 )
 
 needs_triton = pytest.mark.skipif(
@@ -80,9 +84,13 @@ def naive_oracle(query, pool_k, pool_v, slot_block, length, kv_start, scale):
 
 
 def test_twins_have_identical_signatures():
-    assert inspect.signature(sparse_attention) == inspect.signature(sparse_attention_ref)
-    assert inspect.signature(copy_rows) == inspect.signature(copy_rows_ref)
-    assert inspect.signature(score_blocks) == inspect.signature(score_blocks_ref)
+    from oasis_hf import kernels
+
+    twins = [name for name in kernels.__all__ if f"{name}_ref" in kernels.__all__]
+    assert len(twins) == 7, twins
+    for name in twins:
+        kernel, twin = getattr(kernels, name), getattr(kernels, f"{name}_ref")
+        assert inspect.signature(kernel) == inspect.signature(twin), name
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -167,110 +175,146 @@ def test_copy_rows_reads_and_writes_pinned_host_memory():
                   torch.zeros(1, dtype=torch.long, device="cuda"), 8)
 
 
-# (B, H_q, H_kv, T, D, NB): GQA 1/4/7, 1 and several query tokens, NB not a multiple of the kernel's 64-block tile
-SCORE_CASES = [(1, 4, 4, 1, 16, 10), (2, 8, 2, 1, 64, 130), (1, 7, 1, 4, 32, 65), (3, 4, 1, 3, 80, 7)]
+# (B, H_q, H_kv, T, D, NB, BS): GQA 1/4/7, 1 and several query tokens, NB not a multiple of the kernel's 64-block tile
+SCORE_CASES = [(1, 4, 4, 1, 16, 10, 16), (2, 8, 2, 1, 64, 130, 16), (1, 7, 1, 4, 32, 65, 32), (3, 4, 1, 3, 80, 7, 16)]
+KINDS = ("mean", "minmax", "mean+minmax")
 
 
-def make_score_inputs(case, dtype, device="cpu"):
-    b, hq, hkv, t, d, nb = case
-    gen = torch.Generator().manual_seed(sum(case))
+def make_score_inputs(case, kind, dtype, device="cpu"):
+    """Queries, summaries of `kind` built from random keys (some tokens missing, block 0 empty), left padding,
+    a view ending inside the last-but-two block, a selection memory."""
+    from oasis_hf.kernels.ref import summarize_blocks
+
+    b, hq, hkv, t, d, nb, bs = case
+    gen = torch.Generator().manual_seed(sum(case) + len(kind))
     query = torch.randn(b, hq, t, d, generator=gen).to(device, dtype)
-    summary = torch.randn(b, hkv, nb, d, generator=gen).to(device, dtype)
-    ids = torch.arange(nb)
-    first = torch.randint(0, 3, (b, 1), generator=gen)
-    block_ok = (ids >= first) & (ids < nb - 1)
-    if b > 2:
-        block_ok[2] = False  # a sequence with nothing to choose scores zero everywhere
-    return query, summary, block_ok.to(device), d**-0.5
+    keys = torch.randn(b, hkv, nb, 4, d, generator=gen)
+    token_ok = torch.rand(b, 1, nb, 4, generator=gen) > 0.3
+    token_ok[:, :, 0] = False
+    summaries = summarize_blocks(kind, keys, token_ok).to(device, dtype)
+    kv_start = torch.randint(0, 3 * bs, (b,), generator=gen).to(device)
+    start = torch.tensor(max(nb - 3, 1) * bs - t - 1 + bs // 2, device=device)
+    memory = torch.rand(b, hkv, nb, generator=gen).to(device) * 0.02
+    return query, summaries, kv_start, start, memory, d**-0.5
 
 
-@pytest.mark.parametrize("case", SCORE_CASES, ids=str)
-def test_score_blocks_ref_matches_loop_oracle(case):
-    query, summary, block_ok, scale = make_score_inputs(case, torch.float32)
-    b, hq, hkv, t, d, nb = case
-    expected = torch.zeros(b, hkv, nb)
+def _rules(case, **over):
+    return dict(dict(num_tokens=case[3], block_size=case[6], sink_blocks=1, recent_blocks=2, decay=0.0), **over)
+
+
+def _slow_scores(query, summaries, kind, kv_start, start, scale, memory, num_tokens, block_size, sink_blocks,
+                 recent_blocks, decay, start_offset=0):
+    """The rules the slow way: a softmax per query row over the choosable blocks (mean logit and/or Quest's bound
+    per channel), then per block forced / excluded / remembered."""
+    from oasis_hf.kernels.ref import SUMMARY_LAYOUT
+
+    b, hq, t, d = query.shape
+    layout = SUMMARY_LAYOUT[kind]
+    hkv, nb = summaries.shape[2], summaries.shape[3]
+    view = int(start) + start_offset
+    num_blocks = -(-(view + num_tokens) // block_size)
+    out = torch.zeros(b, hkv, nb)
+    memory = memory.clone()
     for i in range(b):
-        for h in range(hq):
-            for tok in range(t):
-                allowed = block_ok[i].nonzero().flatten()
-                if len(allowed) == 0:
-                    continue
-                logits = summary[i, h // (hq // hkv), allowed] @ query[i, h, tok] * scale
-                expected[i, h // (hq // hkv), allowed] += torch.softmax(logits, 0)
-    torch.testing.assert_close(score_blocks_ref(query, summary, block_ok, scale), expected, atol=1e-5, rtol=1e-5)
+        first = int(kv_start[i]) // block_size
+        allowed = [n for n in range(nb) if first <= n < num_blocks]
+        for h in range(hkv):
+            shares = torch.zeros(nb)
+            for qh in range(h * (hq // hkv), (h + 1) * (hq // hkv)):
+                for tok in range(t):
+                    q = query[i, qh, tok].float()
+                    parts = []
+                    if "mean" in layout:
+                        parts.append(summaries[layout.index("mean"), i, h, allowed].float() @ q * scale)
+                    if "lo" in layout:
+                        lo, hi = (summaries[layout.index(n), i, h, allowed].float() for n in ("lo", "hi"))
+                        parts.append(torch.maximum(q * lo, q * hi).sum(-1) * scale)
+                    if allowed:
+                        probs = [torch.softmax(x, 0) for x in parts]
+                        shares[allowed] += sum(probs) / len(probs)
+            recent_from = min(num_blocks - recent_blocks, view // block_size)
+            for n in range(nb):
+                ok = n in allowed
+                score = float(shares[n])
+                if decay > 0:
+                    score = max(score / ((hq // hkv) * t) if ok else 0.0, float(memory[i, h, n]) * decay)
+                    memory[i, h, n] = score
+                forced = ok and (n < first + sink_blocks or n >= recent_from)
+                out[i, h, n] = float("inf") if forced else (score if ok else -float("inf"))
+    return out, memory
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", SCORE_CASES, ids=str)
+def test_score_blocks_ref_matches_slow_rules(case, kind):
+    query, summaries, kv_start, start, memory, scale = make_score_inputs(case, kind, torch.float32)
+    for decay, offset in ((0.0, 0), (0.5, case[3] - 1)):
+        rules = _rules(case, decay=decay, num_tokens=1 if offset else case[3])
+        mem_ref = memory.clone()
+        out = score_blocks_ref(query, summaries, None, mem_ref, kv_start, start, scale, kind=kind,
+                               source="summaries", start_offset=offset, **rules)
+        expected, expected_mem = _slow_scores(query, summaries, kind, kv_start, start, scale, memory,
+                                              start_offset=offset, **rules)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        if decay:
+            torch.testing.assert_close(mem_ref, expected_mem, atol=1e-6, rtol=1e-5)
+
+
+def _check_scores(case, kind, source, decay, dtype, device, offset=0):
+    query, summaries, kv_start, start, memory, scale = make_score_inputs(case, kind, dtype, device)
+    raw = torch.rand(memory.shape, device=device) if source == "raw" else None
+    rules = _rules(case, decay=decay, num_tokens=1 if offset else case[3])
+    mem_k, mem_r = memory.clone(), memory.clone()
+    out = score_blocks(query, summaries, raw, mem_k, kv_start, start, scale, kind=kind, source=source,
+                       start_offset=offset, **rules)
+    ref = score_blocks_ref(query, summaries, raw, mem_r, kv_start, start, scale, kind=kind, source=source,
+                           start_offset=offset, **rules)
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert torch.equal(torch.isinf(out), torch.isinf(ref)) and torch.equal(out == float("inf"), ref == float("inf"))
+    finite = torch.isfinite(ref)
+    assert bool(finite.any()), "the case must leave some blocks to score"
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[finite], ref[finite], atol=tol, rtol=1e-3)
+    torch.testing.assert_close(mem_k, mem_r, atol=tol, rtol=1e-3)
 
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("case", SCORE_CASES, ids=str)
-def test_score_blocks_kernel_matches_twin(case, dtype):
+def test_score_blocks_kernel_matches_twin(case, kind, dtype):
     dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
-    args = make_score_inputs(case, dtype, dev)
-    out, ref = score_blocks(*args), score_blocks_ref(*args)
-    assert out.shape == ref.shape and out.dtype == torch.float32
-    torch.testing.assert_close(out, ref, atol=1e-4 if dtype == torch.float32 else 2e-2, rtol=1e-3)
-    assert bool((out[~args[2][:, None, :].expand_as(out)] == 0).all())
+    _check_scores(case, kind, "summaries", 0.0, dtype, dev)
+    _check_scores(case, kind, "summaries", 0.9, dtype, dev, offset=case[3] - 1)  # a selection job's view
 
 
-def _quest_bound_scores(query, low, high, block_ok, scale):
-    """Quest's bound the slow way: per channel the larger of q*lo and q*hi, summed; softmax over the allowed blocks
-    per query row; the rows of a GQA group and its tokens summed."""
-    b, hq, t, d = query.shape
-    hkv = low.shape[1]
-    q = query.float().reshape(b, hkv, (hq // hkv) * t, 1, d)
-    logits = torch.maximum(q * low.float()[:, :, None], q * high.float()[:, :, None]).sum(-1) * scale
-    logits = logits.masked_fill(~block_ok[:, None, None, :], float("-inf"))
-    return torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2)
+@needs_triton
+@pytest.mark.parametrize("source", ["recency", "raw"])
+def test_score_blocks_kernel_sources_without_summaries(source):
+    dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+    _check_scores(SCORE_CASES[1], "mean", source, 0.0, torch.float32, dev)
+    _check_scores(SCORE_CASES[3], "minmax", source, 0.9 if source == "raw" else 0.0, torch.float32, dev)
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", SCORE_CASES, ids=str)
-def test_minmax_summaries_score_quests_bound(case, dtype, backend):
-    """`BlockSummaries("minmax").score` runs Quest's bound as one dot product over 2D channels (relu(q).hi +
-    min(q,0).lo) through `score_blocks` or its twin; it must equal the elementwise bound, empty blocks included."""
-    from oasis_hf.cache.summaries import BlockSummaries
-
-    dev = "cuda" if backend == "triton" and torch.cuda.is_available() and not INTERPRET else "cpu"
-    b, hq, hkv, t, d, nb = case
-    query, _, block_ok, scale = make_score_inputs(case, dtype, dev)
-    gen = torch.Generator().manual_seed(nb)
-    bs = 4
-    keys = torch.randn(b, hkv, nb, bs, d, generator=gen).to(dev, dtype)
-    token_ok = torch.rand(b, 1, nb, bs, generator=gen).to(dev) > 0.3
-    token_ok[:, :, 0] = False  # a block with no valid token has zero bounds
-    summaries = BlockSummaries("minmax", b, hkv, nb, d, dtype, dev)
-    summaries.write(torch.arange(nb, device=dev), keys, token_ok)
-    low, high = summaries.data[0], summaries.data[1]
-    assert bool((high >= low).all()) and not bool(low[:, :, 0].any())
-    out = summaries.score(query, scale, block_ok[:, None, :], backend)
-    expected = _quest_bound_scores(query, low, high, block_ok, scale)
-    assert out.shape == (b, hkv, nb) and out.dtype == torch.float32
-    tol = 1e-4 if dtype == torch.float32 and backend == "torch" else (1e-3 if dtype == torch.float32 else 2e-2)
-    torch.testing.assert_close(out, expected, atol=tol, rtol=1e-3)
+def test_score_blocks_refuses_bad_input():
+    query, summaries, kv_start, start, memory, scale = make_score_inputs(SCORE_CASES[0], "mean", torch.float32)
+    rules = _rules(SCORE_CASES[0])
+    with pytest.raises(ValueError, match="unknown source 'quest'"):
+        score_blocks(query, summaries, None, memory, kv_start, start, scale, kind="mean", source="quest", **rules)
+    with pytest.raises(ValueError, match="does not match 'minmax' summaries"):
+        score_blocks(query, summaries, None, memory, kv_start, start, scale, kind="minmax", source="summaries",
+                     **rules)
+    with pytest.raises(ValueError, match="needs `raw`"):
+        score_blocks(query, summaries, None, memory, kv_start, start, scale, kind="mean", source="raw", **rules)
 
 
 @pytest.mark.gpu
-def test_minmax_summaries_score_gpu_large():
-    """Qwen2.5-1.5B's lookahead shape at 30k tokens in blocks of 16: batch 8, 12 query heads over 2 KV heads, 5
-    verify queries, head dim 128 (256 channels in the bound's dot product), bf16."""
-    from oasis_hf.cache.summaries import BlockSummaries
-
-    query, _, block_ok, scale = make_score_inputs((8, 12, 2, 5, 128, 1875), torch.bfloat16, "cuda")
-    summaries = BlockSummaries("minmax", 8, 2, 1875, 128, torch.bfloat16, "cuda")
-    keys = torch.randn(8, 2, 1875, 16, 128, device="cuda", dtype=torch.bfloat16)
-    token_ok = torch.ones(8, 1, 1875, 16, dtype=torch.bool, device="cuda")
-    summaries.write(torch.arange(1875, device="cuda"), keys, token_ok)
-    expected = _quest_bound_scores(query, summaries.data[0], summaries.data[1], block_ok, scale)
-    torch.testing.assert_close(summaries.score(query, scale, block_ok[:, None, :], "triton"), expected, atol=2e-2,
-                               rtol=1e-3)
-
-
-@pytest.mark.gpu
-def test_score_blocks_gpu_large():
-    """Llama-8B decode shape: batch 8, 32 query heads over 8 KV heads, 32k tokens in blocks of 32."""
-    args = make_score_inputs((8, 32, 8, 1, 128, 1030), torch.bfloat16, "cuda")
-    torch.testing.assert_close(score_blocks(*args), score_blocks_ref(*args), atol=2e-2, rtol=1e-3)
+@pytest.mark.parametrize("kind", KINDS)
+def test_score_blocks_gpu_large(kind):
+    """Decode shapes on the GPU: Llama-8B at batch 8 / 32k (1,030 blocks of 32) and batch 1 / 128k (4,097 blocks:
+    many splits per (sequence, head)), Qwen2.5-1.5B's 5 verify queries at 30k in blocks of 16; bf16."""
+    for case in [(8, 32, 8, 1, 128, 1030, 32), (1, 32, 8, 1, 128, 4097, 32), (8, 12, 2, 5, 128, 1875, 16)]:
+        _check_scores(case, kind, "summaries", 0.9, torch.bfloat16, "cuda")
 
 
 def test_package_works_without_triton():
@@ -411,78 +455,215 @@ def test_mean_plus_minmax_lets_each_summary_propose(backend):
     """Four blocks of 4 keys against the query e0: N holds one key that matches strongly among keys that do not
     (a fact to retrieve), M only keys that match moderately (words to count), X one strong and one strongly negative
     key (a bound as high as a fact's, mean 0), Y weak matches. Mean keys rank M, Y first and miss N; Quest's bounds
-    rank N, X first and miss M; ``mean+minmax`` averages the two softmax shares and keeps N and M."""
+    rank N, X first and miss M; ``mean+minmax`` averages the two softmax shares and keeps N and M. (Two empty
+    blocks, then the recent block the view ends in, which the rules force.)"""
     from oasis_hf.cache.summaries import BlockSummaries
 
     dev = "cuda" if backend == "triton" and torch.cuda.is_available() and not INTERPRET else "cpu"
-    ch0 = torch.tensor([[10.0, -3, -3, -3], [2, 2, 2, 2], [6, -6, 6, -6], [1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0]])
-    keys = torch.zeros(1, 1, 6, 4, 16)
+    ch0 = torch.tensor([[10.0, -3, -3, -3], [2, 2, 2, 2], [6, -6, 6, -6], [1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0],
+                        [0, 0, 0, 0]])
+    keys = torch.zeros(1, 1, 7, 4, 16)
     keys[..., 0] = ch0
     keys[..., 1] = 0.5 * torch.tensor([1.0, -1, 1, -1])  # the same in every block: no score difference
-    query = torch.zeros(1, 2, 1, 16)
+    query = torch.zeros(1, 2, 1, 16, device=dev)
     query[..., 0] = 1.0
-    block_ok = torch.ones(1, 1, 6, dtype=torch.bool, device=dev)
+    fn = score_blocks if backend == "triton" else score_blocks_ref
     top2 = {}
-    for kind in ("mean", "minmax", "mean+minmax"):
-        summaries = BlockSummaries(kind, 1, 1, 6, 16, torch.float32, dev)
-        summaries.write(torch.arange(6, device=dev), keys.to(dev), torch.ones(1, 1, 6, 4, dtype=torch.bool, device=dev))
-        scores = summaries.score(query.to(dev), 1.0, block_ok, backend)[0, 0]
-        torch.testing.assert_close(scores.sum(), torch.tensor(2.0, device=dev))  # 2 query heads, shares sum to 1
-        top2[kind] = {"NMXY"[i] if i < 4 else "F" for i in scores.topk(2).indices.tolist()}
+    for kind in KINDS:
+        summaries = BlockSummaries(kind, 1, 1, 7, 16, torch.float32, dev)
+        summaries.write(torch.arange(7, device=dev), keys.to(dev), torch.ones(1, 1, 7, 4, dtype=torch.bool, device=dev))
+        scores = fn(query, summaries.data, None, None, torch.zeros(1, dtype=torch.long, device=dev),
+                    torch.tensor(27, device=dev), 1.0, kind=kind, source="summaries", num_tokens=1, block_size=4,
+                    sink_blocks=0, recent_blocks=1)[0, 0]
+        assert scores[6] == float("inf") and bool(torch.isfinite(scores[:6]).all())
+        assert 1.0 < float(scores[:6].sum()) < 2.0  # 2 query heads' shares, less the forced block's
+        top2[kind] = {"NMXY"[i] if i < 4 else "F" for i in scores[:6].topk(2).indices.tolist()}
     assert top2 == {"mean": {"M", "Y"}, "minmax": {"N", "X"}, "mean+minmax": {"N", "M"}}
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
-@pytest.mark.parametrize("case", SCORE_CASES[:6], ids=str)
-def test_mean_plus_minmax_score_is_the_average_of_both(case, backend):
-    """``mean+minmax`` stores lo, hi and the mean key (3 tensors) and scores the average of the mean-key scores and
-    Quest's bound, each computed the slow way here; empty blocks have zero summaries."""
+def test_block_summaries_store_what_each_kind_names():
+    """``mean+minmax`` stores lo, hi and the mean key (3 tensors); empty blocks have zero summaries."""
     from oasis_hf.cache.summaries import BlockSummaries
 
-    dev = "cuda" if backend == "triton" and torch.cuda.is_available() and not INTERPRET else "cpu"
-    b, hq, hkv, t, d, nb = case
-    query, _, block_ok, scale = make_score_inputs(case, torch.float32, dev)
-    gen = torch.Generator().manual_seed(nb + 1)
-    keys = torch.randn(b, hkv, nb, 4, d, generator=gen).to(dev)
-    token_ok = torch.rand(b, 1, nb, 4, generator=gen).to(dev) > 0.3
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(2, 3, 9, 4, 8, generator=gen)
+    token_ok = torch.rand(2, 1, 9, 4, generator=gen) > 0.3
     token_ok[:, :, 0] = False
-    both = BlockSummaries("mean+minmax", b, hkv, nb, d, torch.float32, dev)
-    both.write(torch.arange(nb, device=dev), keys, token_ok)
-    assert both.data.shape[0] == 3 and both.nbytes == 3 * b * hkv * nb * d * 4
+    both = BlockSummaries("mean+minmax", 2, 3, 9, 8, torch.float32, "cpu")
+    both.write(torch.arange(9), keys, token_ok)
+    assert both.data.shape[0] == 3 and both.nbytes == 3 * 2 * 3 * 9 * 8 * 4
     low, high, mean = both.data
     ok = token_ok[..., None]
-    want_mean = torch.where(ok, keys, 0.0).sum(3) / ok.sum(3).clamp(min=1)
-    torch.testing.assert_close(mean, want_mean)
+    torch.testing.assert_close(mean, torch.where(ok, keys, 0.0).sum(3) / ok.sum(3).clamp(min=1))
     torch.testing.assert_close(low, torch.where(ok.any(3), torch.where(ok, keys, float("inf")).amin(3), 0.0))
     torch.testing.assert_close(high, torch.where(ok.any(3), torch.where(ok, keys, float("-inf")).amax(3), 0.0))
-    expected = 0.5 * (score_blocks_ref(query, want_mean, block_ok, scale)
-                      + _quest_bound_scores(query, low, high, block_ok, scale))
-    tol = 1e-4 if backend == "torch" else 1e-3
-    torch.testing.assert_close(both.score(query, scale, block_ok[:, None, :], backend), expected, atol=tol, rtol=1e-3)
-
-
-@pytest.mark.gpu
-def test_mean_plus_minmax_score_gpu_large():
-    """The minmax GPU test's shape (30k tokens in blocks of 16, Qwen2.5-1.5B's heads, 5 verify queries, bf16) with
-    mean keys and bounds kept: two Triton launches, averaged."""
-    from oasis_hf.cache.summaries import BlockSummaries
-
-    query, _, block_ok, scale = make_score_inputs((8, 12, 2, 5, 128, 1875), torch.bfloat16, "cuda")
-    summaries = BlockSummaries("mean+minmax", 8, 2, 1875, 128, torch.bfloat16, "cuda")
-    keys = torch.randn(8, 2, 1875, 16, 128, device="cuda", dtype=torch.bfloat16)
-    token_ok = torch.ones(8, 1, 1875, 16, dtype=torch.bool, device="cuda")
-    summaries.write(torch.arange(1875, device="cuda"), keys, token_ok)
-    low, high, mean = summaries.data
-    expected = 0.5 * (score_blocks_ref(query, mean, block_ok, scale)
-                      + _quest_bound_scores(query, low, high, block_ok, scale))
-    torch.testing.assert_close(summaries.score(query, scale, block_ok[:, None, :], "triton"), expected, atol=2e-2,
-                               rtol=1e-3)
+    assert not bool(mean[:, :, 0].any()) and not bool(low[:, :, 0].any())
 
 
 def test_block_summaries_refuse_an_unknown_kind():
-    from oasis_hf.cache.summaries import _TENSORS, BlockSummaries
+    from oasis_hf.cache.summaries import BlockSummaries
     from oasis_hf.config import SUMMARY_KINDS
+    from oasis_hf.kernels import SUMMARY_LAYOUT
 
-    assert set(SUMMARY_KINDS) == set(_TENSORS)  # what OasisConfig accepts is what BlockSummaries stores
+    assert set(SUMMARY_KINDS) == set(SUMMARY_LAYOUT)  # what OasisConfig accepts is what BlockSummaries stores
     with pytest.raises(ValueError, match="unknown block summary 'median'.*mean\\+minmax"):
         BlockSummaries("median", 1, 1, 4, 8, torch.float32, "cpu")
+
+
+# (B, H_kv, S, BS, D, T, offset into the block of the first new token): one token mid-block and at a block start, a
+# verification forward crossing into a new block, one spanning three blocks, odd head dims
+APPEND_CASES = [(2, 3, 6, 16, 16, 1, 7), (1, 2, 5, 16, 80, 1, 0), (3, 1, 7, 32, 64, 5, 30), (2, 2, 9, 16, 32, 17, 15)]
+
+
+def _append_case(case, kind, dtype, device, seed):
+    """A partly filled table (some slots empty, one resident block scored +inf, one -inf), the blocks before the
+    new tokens' first resident, new K/V as the transposed view a model's projections give."""
+    from oasis_hf.kernels.ref import SUMMARY_LAYOUT
+
+    b, h, s, bs, d, t, offset = case
+    gen = torch.Generator().manual_seed(seed)
+    start = 6 * bs + offset
+    cap = -(-(start + t) // bs) + 3
+    slot_block = torch.full((b, h, s + 1), -1, dtype=torch.long)
+    slot_score = torch.full((b, h, s + 1), -float("inf"))
+    block_slot = torch.full((b, h, cap + 1), -1, dtype=torch.long)
+    for i in range(b):
+        for j in range(h):
+            held = torch.randperm(6, generator=gen)[: s - 2].tolist()
+            if offset and 6 not in held:
+                held[-1] = 6  # the block the new tokens continue is resident
+            slots = torch.randperm(s, generator=gen)[: len(held)]
+            for blk, slot in zip(held, slots.tolist(), strict=True):
+                slot_block[i, j, slot], block_slot[i, j, blk] = blk, slot
+                slot_score[i, j, slot] = float(torch.rand((), generator=gen))
+            slot_score[i, j, slots[0]] = float("inf")
+            slot_score[i, j, slots[1]] = -float("inf")
+    pools = [torch.randn(b, h, s, bs, d, generator=gen).to(dtype) for _ in range(2)]
+    kv = [torch.randn(b, t, h, d, generator=gen).to(dtype).transpose(1, 2) for _ in range(2)]
+    summaries = torch.randn(len(SUMMARY_LAYOUT[kind]), b, h, cap, d, generator=gen).to(dtype)
+    kv_start = torch.randint(0, 2 * bs, (b,), generator=gen)
+    tensors = [kv[0], kv[1], torch.tensor(start), *pools, slot_block, slot_score, block_slot, summaries, kv_start]
+    return [x.to(device) for x in tensors]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", APPEND_CASES, ids=str)
+def test_append_tokens_kernel_matches_twin(case, kind, dtype):
+    """Slot allocation, table entries and pool rows identical to the twin; summaries to rounding; with and without
+    pinned sinks and a long recent window."""
+    dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+    for seed, (sinks, recent) in enumerate([(1, 2), (0, 1), (2, 5)]):
+        args_k = _append_case(case, kind, dtype, dev, seed)
+        args_r = [x.clone() for x in args_k]
+        append_tokens(*args_k, kind=kind, sink_blocks=sinks, recent_blocks=recent)
+        append_tokens_ref(*args_r, kind=kind, sink_blocks=sinks, recent_blocks=recent)
+        for name, k, r in zip(("pool_k", "pool_v", "slot_block", "slot_score", "block_slot"), args_k[3:8],
+                              args_r[3:8], strict=True):
+            trash = name in ("slot_block", "slot_score", "block_slot")  # masked twin writes land in the last column
+            assert torch.equal(k[..., :-1] if trash else k, r[..., :-1] if trash else r), f"{name} (seed {seed})"
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(args_k[8], args_r[8], atol=tol, rtol=tol)
+        start, t, bs = int(args_k[2]), case[5], case[3]
+        new_blocks = range(start // bs, (start + t - 1) // bs + 1)
+        for blk in new_blocks:  # every touched block is resident and holds the new tokens
+            assert bool((args_r[5][..., : case[2]] == blk).any(-1).all())
+
+
+def test_append_tokens_twin_writes_what_a_dense_cache_holds():
+    """The twin against the plain meaning: after the call, every new token's K/V sits in its block's slot, the
+    touched blocks' mean summaries equal the mean of their real tokens, and the evicted blocks were neither sinks,
+    recent nor touched."""
+    case = (2, 2, 6, 16, 8, 5, 14)
+    args = _append_case(case, "mean", torch.float32, "cpu", 4)
+    key, value, start, pool_k, pool_v, slot_block, slot_score, block_slot, summaries, kv_start = args
+    before = slot_block.clone()
+    append_tokens_ref(*args, kind="mean", sink_blocks=1, recent_blocks=2)
+    bs, start = case[3], int(start)
+    for b in range(case[0]):
+        first_real = int(kv_start[b]) // bs
+        for h in range(case[1]):
+            for t in range(case[5]):
+                pos = start + t
+                slot = int(block_slot[b, h, pos // bs])
+                assert torch.equal(pool_k[b, h, slot, pos % bs], key[b, h, t])
+                assert torch.equal(pool_v[b, h, slot, pos % bs], value[b, h, t])
+            gone = set(before[b, h, :-1].tolist()) - set(slot_block[b, h, :-1].tolist()) - {-1}
+            assert not gone & {first_real, start // bs - 1, start // bs}, gone
+            blk = (start + case[5] - 1) // bs
+            slot = int(block_slot[b, h, blk])
+            rows = torch.arange(bs) + blk * bs
+            real = (rows < start + case[5]) & (rows >= int(kv_start[b]))
+            torch.testing.assert_close(summaries[0, b, h, blk], pool_k[b, h, slot][real].mean(0))
+
+
+@needs_triton
+@pytest.mark.parametrize("case", [(2, 3, 5, 16, 16, 0, 20), (1, 2, 3, 32, 80, 2, 64), (2, 1, 17, 16, 32, 1, 3)],
+                         ids=str)
+def test_write_tokens_kernel_matches_twin(case):
+    """(B, H, T, BS, D, segment's first block, start): rows inside the segment land at their positions, rows
+    before or past it are skipped (a write that straddles two segments)."""
+    b, h, t, bs, d, first_block, start = case
+    dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+    gen = torch.Generator().manual_seed(sum(case))
+    key = torch.randn(b, t, h, d, generator=gen).transpose(1, 2).to(dev)
+    value = torch.randn(b, h, t, d, generator=gen).to(dev)
+    segment = [torch.full((b, h, 3, bs, d), float("nan")).to(dev) for _ in range(4)]
+    start_t = torch.tensor(start, device=dev)
+    write_tokens(key, value, start_t, segment[0], segment[1], first_block)
+    write_tokens_ref(key, value, start_t, segment[2], segment[3], first_block)
+    torch.testing.assert_close(segment[0], segment[2], equal_nan=True)
+    torch.testing.assert_close(segment[1], segment[3], equal_nan=True)
+    local = start - first_block * bs
+    written = [t_ for t_ in range(t) if 0 <= local + t_ < 3 * bs]
+    assert written, "the case must write some rows"
+    flat = segment[0].view(b, h, 3 * bs, d)
+    assert torch.equal(flat[:, :, local + written[0]], key[:, :, written[0]])
+    assert int(torch.isnan(flat[..., 0]).sum()) == b * h * (3 * bs - len(written))
+
+
+@pytest.mark.gpu
+def test_append_and_write_tokens_gpu_large():
+    """Llama-8B's decode shape (batch 8, 8 KV heads, budget 2048 in blocks of 32, head dim 128, bf16) for one token
+    and a 5-token verification forward, every summary kind; the write-back into a pinned host segment."""
+    for kind in KINDS:
+        for case in [(8, 8, 64, 32, 128, 1, 31), (8, 8, 64, 32, 128, 5, 30)]:
+            args_k = _append_case(case, kind, torch.bfloat16, "cuda", 0)
+            args_r = [x.clone() for x in args_k]
+            append_tokens(*args_k, kind=kind, sink_blocks=1, recent_blocks=5)
+            append_tokens_ref(*args_r, kind=kind, sink_blocks=1, recent_blocks=5)
+            assert torch.equal(args_k[3], args_r[3]) and torch.equal(args_k[4], args_r[4])
+            for k, r in zip(args_k[5:8], args_r[5:8], strict=True):
+                assert torch.equal(k[..., :-1], r[..., :-1])  # tables without the trash column
+            torch.testing.assert_close(args_k[8], args_r[8], atol=1e-2, rtol=1e-2)
+    key = torch.randn(8, 1, 8, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    host = [torch.zeros(8, 8, 40, 32, 128, dtype=torch.bfloat16).pin_memory() for _ in range(2)]
+    write_tokens(key, key, torch.tensor(100, device="cuda"), host[0], host[1], 1)
+    torch.cuda.synchronize()
+    assert torch.equal(host[0].view(8, 8, -1, 128)[:, :, 100 - 32], key[:, :, 0].cpu())
+    with pytest.raises(ValueError, match="pageable"):
+        write_tokens(key, key, torch.tensor(0, device="cuda"), host[0].clone(), host[1].clone(), 0)
+
+
+@pytest.mark.gpu
+def test_plan_blocks_kernel_scales_to_long_tables():
+    """128k and 512k tokens in blocks of 32 (4,097 and 16,385 blocks): the kernel's threshold select gives the
+    twin's plan and table."""
+    for num_blocks in (4097, 16385):
+        gen = torch.Generator().manual_seed(num_blocks)
+        scores = _plan_scores(gen, 1, 8, num_blocks, num_blocks - 2, 1).cuda()
+        tables = [torch.full((1, 8, 65), -1, dtype=torch.long, device="cuda"),
+                  torch.full((1, 8, 65), -float("inf"), device="cuda"),
+                  torch.full((1, 8, num_blocks + 1), -1, dtype=torch.long, device="cuda")]
+        copies = [t.clone() for t in tables]
+        if num_blocks > 16384:
+            with pytest.raises(ValueError, match="exceed"):
+                plan_blocks(scores, *copies, 16)
+            continue
+        out_k = plan_blocks(scores, *copies, 16)
+        out_r = plan_blocks_ref(scores, *tables, 16)
+        for k, r in zip(out_k, out_r, strict=True):
+            assert torch.equal(k, r)
+        for k, r in zip(copies, tables, strict=True):
+            assert torch.equal(k, r)

@@ -117,33 +117,6 @@ class BlockTable:
         self.refresh_scores(scores)
         return applied
 
-    def allocate(
-        self, new_blocks: torch.Tensor, pinned: torch.Tensor, valid: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Give the (not yet resident) `new_blocks` slots, evicting the least important unpinned residents.
-
-        Parameters
-        ----------
-        new_blocks : (B, H_kv, N) long — blocks that must become resident (e.g. the one new tokens start).
-        pinned : (B, H_kv, S) bool — slots whose block must stay (sinks, recent window).
-        valid : (B, H_kv, N) bool or None — entries to install (None: all). Invalid entries take no slot, so a
-            fixed-shape caller can pass candidates that may already be resident.
-
-        Returns
-        -------
-        (B, H_kv, N) long: the slots assigned (meaningless where not `valid`).
-        """
-        if valid is None:
-            valid = torch.ones_like(new_blocks, dtype=torch.bool)
-        resident = self.slot_block[..., : self.num_slots]
-        score = self.slot_score[..., : self.num_slots].clamp(max=torch.finfo(torch.float32).max)
-        evict_key = torch.where(pinned, INF, torch.where(resident < 0, -INF, score))
-        cheapest = evict_key.topk(new_blocks.shape[-1], dim=-1, largest=False).indices  # best victims first
-        rank = (valid.long().cumsum(-1) - 1).clamp(min=0)  # the r-th valid entry takes the r-th cheapest slot
-        slots = cheapest.gather(-1, rank)
-        self.assign(new_blocks, slots, valid, torch.full_like(new_blocks, INF, dtype=torch.float32))
-        return slots
-
     def drop_from(self, first_block: int) -> None:
         """Forget every block >= `first_block` (after `crop`)."""
         gone = self.slot_block[..., : self.num_slots] >= first_block

@@ -22,7 +22,7 @@ import torch
 
 from oasis_hf.cache.pinned import PinnedBuffer, PinnedPool
 from oasis_hf.errors import HostMemoryError
-from oasis_hf.kernels import copy_rows, gather_blocks, gather_blocks_ref
+from oasis_hf.kernels import copy_rows, gather_blocks, gather_blocks_ref, write_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -240,31 +240,14 @@ class HostKVStore:
         copy_rows(src, offsets[0], dst, offsets[1], src.shape[-1])
 
     def write_at(self, layer: int, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor) -> None:
-        """Store new tokens at positions ``start .. start + T - 1`` given as a 0-d device tensor (zero-copy kernel).
+        """Store new tokens at positions ``start .. start + T - 1`` given as a 0-d device tensor.
 
-        `keys`/`values`: (B, H_kv, T, D) CUDA tensors, last dim contiguous; the store must be pinned. Fixed shapes and
-        no host synchronisation, on the current stream: the decode step captures this inside its CUDA graph.
+        `keys`/`values`: (B, H_kv, T, D) CUDA tensors, last dim contiguous; the store must be pinned. One
+        `write_tokens` launch per segment (K and V together, offsets computed in the kernel), on the current stream,
+        no host synchronisation: the decode step captures this inside its CUDA graph.
         """
-        batch, heads, num_tokens, head_dim = keys.shape
-        dev = keys.device
-        bs = self.block_size
-        ids = self._arange(num_tokens, dev)
-        pos = start + ids  # (T,)
-        bh = self._bh(batch, heads, dev)  # (B, H_kv, 1)
-        b, h = bh // heads, bh % heads
-        sources = [(src, (b * src.stride(0) + h * src.stride(1) + ids * src.stride(2))) for src in (keys, values)]
         for seg in self.segments:
-            local = pos - seg.start_block * bs
-            inside = (local >= 0) & (local < seg.num_blocks * bs)
-            dst_off = ((bh * (seg.num_blocks * bs) + local) * head_dim).reshape(-1)
-            for (src, src_off), dst in zip(sources, (seg.keys[layer], seg.values[layer]), strict=True):
-                copy_rows(src, torch.where(inside, src_off, -1).reshape(-1), dst, dst_off, head_dim)
-
-    def _arange(self, n: int, device) -> torch.Tensor:
-        key = (n, device)
-        if key not in self._bh_cache:
-            self._bh_cache[key] = torch.arange(n, device=device)
-        return self._bh_cache[key]
+            write_tokens(keys, values, start, seg.keys[layer], seg.values[layer], seg.start_block)
 
     def _bh(self, batch: int, heads: int, device) -> torch.Tensor:
         key = (batch, heads, device)

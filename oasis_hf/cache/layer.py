@@ -6,10 +6,11 @@ device-side work of the step:
 
 - **prefill** (the first forward on an empty cache): dense attention over the chunk, block summaries of all of it,
   and the initial selection, copied into the pool straight from the chunk's K/V (no host read);
-- **decode / verification** (``T`` new tokens on a non-empty cache): new blocks get slots (evicting the least
-  important unpinned block), the new tokens go into the pool, the touched summaries are recomputed, the selector
-  scores every block, the table plans the delta, the misses are fetched from host, and the sparse kernel attends
-  over the resident blocks.
+- **decode / verification** (``T`` new tokens on a non-empty cache): one `append_tokens` launch gives new blocks
+  slots (evicting the least important unpinned block), writes the new tokens into the pool and recomputes the
+  touched summaries; a synchronous selector then scores every block (`score_blocks`), the table plans the delta
+  (`plan_blocks`) and the misses are fetched from host (`gather_blocks`); the sparse kernel attends over the
+  resident blocks. An asynchronous selector runs score, plan and fetch after the step, for the next one.
 
 Per (sequence, KV head) the pool never holds more than ``S = budget_tokens // block_size`` blocks: the sinks (first
 real blocks), the recent window (last blocks, new tokens included) and the selected blocks.
@@ -30,7 +31,16 @@ from oasis_hf.cache.block_table import INF, BlockTable
 from oasis_hf.cache.pinned import capturing
 from oasis_hf.cache.summaries import BlockSummaries
 from oasis_hf.errors import DeviceMemoryError, UnsupportedError
-from oasis_hf.kernels import sparse_attention, sparse_attention_ref, use_triton
+from oasis_hf.kernels import (
+    INTERPRET,
+    append_tokens,
+    append_tokens_ref,
+    score_blocks,
+    score_blocks_ref,
+    sparse_attention,
+    sparse_attention_ref,
+    use_triton,
+)
 from oasis_hf.kernels.dense import dense_attention
 
 if TYPE_CHECKING:
@@ -67,9 +77,7 @@ class OasisLayer(CacheLayerMixin):
         self._ticket = None  # outstanding selection job (asynchronous selectors with prefetch on)
         self.kv_start: torch.Tensor | None = None  # (B,) first real position (left padding)
         self.writeback_event = None
-        self._ids: torch.Tensor | None = None  # (1, 1, NB_cap) arange, see _block_ids
         self._aranges: dict[int, torch.Tensor] = {}
-        self._bh: tuple[torch.Tensor, torch.Tensor] | None = None
         self._graphs: dict[int, _StepGraph] = {}  # T -> captured decode step (CUDA)
         self._job_graphs: dict[int, _JobGraph] = {}  # T -> captured selection job (asynchronous selectors)
         self._job_warm: set[int] = set()
@@ -368,13 +376,13 @@ class OasisLayer(CacheLayerMixin):
         of this layer sees its table). Host bookkeeping (lengths, statistics) is `DecodeGraph`'s, per replay.
         """
         step = self.cache._whole_step
-        start = step.start(self.device)
+        start, end = step.start(self.device), step.end(self.device)
         num_tokens = query.shape[2]
         if self.device.type == "cuda":
-            out = self._decode_step(query, key, value, start, scale, write_back=True)
+            out = self._decode_step(query, key, value, start, scale, write_back=True, end=end)
         else:  # CPU (never captured): write the rows to host first, as an eager step does
             self.cache.host.write(self.layer_idx, key, value, int(start))
-            out = self._decode_step(query, key, value, start, scale, write_back=False)
+            out = self._decode_step(query, key, value, start, scale, write_back=False, end=end)
         if self.cache.selector.asynchronous:
             stream = step.fork(self.device)
             if stream is not None:
@@ -390,7 +398,7 @@ class OasisLayer(CacheLayerMixin):
         """Exact attention of this step against what was resident when it ran (synchronises; evaluation only)."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the graph's host write-back has landed
-        mass = self.exact_block_mass(query, scale, None)  # (B, H_kv, NB_cap), rows summed
+        mass = self.exact_block_mass(query, scale)  # (B, H_kv, NB_cap), rows summed
         num_slots = self.config.budget_blocks
         resident = self.table.slot_block[..., :num_slots]
         held = torch.where(resident >= 0, mass.gather(-1, resident.clamp(min=0)), 0.0)
@@ -413,8 +421,8 @@ class OasisLayer(CacheLayerMixin):
         """
         cfg = self.config
         rows = self.cache.selector.lookahead_queries(query)
-        last = start + (num_tokens - 1)  # the next step's view: everything up to this forward's last token
-        scores = self._scores(rows, scale, last, num_tokens=1)
+        # The next step's view: everything up to this forward's last token, ``start + num_tokens - 1``.
+        scores = self._scores(rows, scale, start, num_tokens=1, start_offset=num_tokens - 1)
         if cfg.prefetch_policy == "stale":
             self._stage(scores)
         else:
@@ -504,6 +512,12 @@ class OasisLayer(CacheLayerMixin):
         if not self.config.prefetch:
             run()
             return
+        if INTERPRET and self.device.type == "cpu" and self.config.kernel_backend == "triton":
+            raise UnsupportedError(
+                "kernel_backend='triton' on CPU tensors runs Triton's interpreter, which cannot run kernels from two "
+                "threads at once (the prefetch worker and the decode step); set OasisConfig.prefetch=False (jobs "
+                "inline) or kernel_backend='auto'"
+            )
         prefetcher = self.cache._prefetcher(self.device)
         if prefetcher.stream is not None:  # the worker stream reads these after the caller may free them
             query.record_stream(prefetcher.stream)
@@ -552,16 +566,18 @@ class OasisLayer(CacheLayerMixin):
         stats.prefetch_queue_wait_s += ticket.queue_wait_s
         stats.prefetch_job_host_s += ticket.run_s
 
-    def _decode_step(self, query, key, value, start: torch.Tensor, scale: float, write_back: bool) -> torch.Tensor:
-        """The device work of one decode / verification forward; `start` is a 0-d long tensor (tokens before it).
+    def _decode_step(self, query, key, value, start: torch.Tensor, scale: float, write_back: bool,
+                     end: torch.Tensor | None = None) -> torch.Tensor:
+        """The device work of one decode / verification forward; `start` is a 0-d long tensor (tokens before it),
+        `end` the same plus ``T`` (computed here when not given).
 
         Fixed shapes, no host synchronisation and no Python branch on data: every position-dependent quantity is
         derived from `start` on the device, so this function can be captured once in a CUDA graph and replayed at
-        every later step of the same ``T``.
+        every later step of the same ``T``. On CUDA it is a handful of launches: the host write-back (forked),
+        `append_tokens`, for a synchronous selector `score_blocks` + `plan_blocks` + `gather_blocks`, and the sparse
+        attention with its split merge.
         """
         cfg = self.config
-        bs = cfg.block_size
-        batch, heads, num_tokens = self.batch_size, self.num_kv_heads, key.shape[2]
         if write_back:
             # New rows to the pinned host store on the write-back stream, forked here and joined at the end of the
             # step (inside a graph this is a parallel branch). No fetch of this step can read them: the blocks they
@@ -571,30 +587,20 @@ class OasisLayer(CacheLayerMixin):
             side.wait_stream(compute)
             with torch.cuda.stream(side):
                 self.cache.host.write_at(self.layer_idx, key, value, start)
-        end = start + num_tokens
-        num_blocks = (end + bs - 1) // bs
-        first, last = start // bs, (end - 1) // bs
-        # Blocks the new tokens touch: `first .. last`, padded to a fixed count by repeating `last`.
-        candidates = first + self._arange(-(-(num_tokens - 1) // bs) + 1)
-        touched = torch.minimum(candidates, last)
-        touched_bh = touched.expand(batch, heads, -1)
-        fresh = (candidates <= last) & (self.table.block_slot.gather(-1, touched_bh) < 0)
-        self.table.allocate(touched_bh, self._pinned_slots(num_blocks), fresh)
-        # New tokens into their (now resident) blocks.
-        pos = start + self._arange(num_tokens)
-        slot = self.table.block_slot.gather(-1, (pos // bs).expand(batch, heads, -1))  # (B, H_kv, T)
-        b_idx, h_idx = self._bh_index()
-        self.pool_k[b_idx, h_idx, slot, pos % bs] = key
-        self.pool_v[b_idx, h_idx, slot, pos % bs] = value
-        # Summaries of the touched blocks, recomputed from the pool.
-        touched_slot = self.table.block_slot.gather(-1, touched_bh)
-        self.summaries.write(touched, self.pool_k[b_idx, h_idx, touched_slot], self._token_ok(touched, end))
+        kernels = use_triton(query, cfg.kernel_backend)
+        (append_tokens if kernels else append_tokens_ref)(
+            key, value, start, self.pool_k, self.pool_v, self.table.slot_block, self.table.slot_score,
+            self.table.block_slot, self.summaries.data, self.kv_start, kind=self.summaries.kind,
+            sink_blocks=cfg.sink_blocks, recent_blocks=cfg.recent_blocks,
+        )  # fmt: skip
         # Selection, delta, fetch (synchronous selectors; asynchronous ones did it after the previous step).
         if not self.cache.selector.asynchronous:
             scores = self._scores(query, scale, start)
             blocks, slots, valid = self._plan(scores, cfg.max_fetch_blocks)
             self.cache.host.fetch(self.layer_idx, blocks, self.pool_k, self.pool_v, slots, valid, cfg.kernel_backend)
-        attend = sparse_attention if use_triton(query, cfg.kernel_backend) else sparse_attention_ref
+        if end is None:
+            end = start + key.shape[2]
+        attend = sparse_attention if kernels else sparse_attention_ref
         out = attend(query, self.pool_k, self.pool_v, self.table.slot_block, end, self.kv_start, scale)
         if write_back:
             compute.wait_stream(side)  # join: later steps (and their fetches) are ordered after the write-back
@@ -646,15 +652,6 @@ class OasisLayer(CacheLayerMixin):
             ids = self._aranges[n] = torch.arange(n, device=self.device)
         return ids
 
-    def _bh_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, 1, 1) and (1, H_kv, 1) index tensors, memoised."""
-        if self._bh is None:
-            self._bh = (
-                torch.arange(self.batch_size, device=self.device).view(-1, 1, 1),
-                torch.arange(self.num_kv_heads, device=self.device).view(1, -1, 1),
-            )
-        return self._bh
-
     def _token_ok(self, block_ids: torch.Tensor, end) -> torch.Tensor:
         """(B, 1, n, BS) bool for blocks `block_ids` (n,): the token is real (not padding) and written (< end)."""
         bs = self.config.block_size
@@ -662,52 +659,34 @@ class OasisLayer(CacheLayerMixin):
         return (pos < end) & (pos >= self.kv_start.view(-1, 1, 1, 1))
 
     def _scores(self, query: torch.Tensor, scale: float, start: torch.Tensor, num_tokens: int | None = None,
-                raw: torch.Tensor | None = None):
-        """(B, H_kv, NB_cap) scores with the shared rules: forced blocks +inf, non-blocks -inf.
+                raw: torch.Tensor | None = None, start_offset: int = 0):
+        """(B, H_kv, NB_cap) scores with the shared rules (`score_blocks`): forced blocks +inf, non-blocks -inf.
 
-        The forward holds positions ``start .. start + num_tokens - 1`` (`start`: 0-d long tensor; `num_tokens`
-        defaults to the T of `query` (B, H_q, T, D), whose rows score the blocks). `raw` (B, H_kv, NB_cap): scores
-        of those rows computed elsewhere (the prefill window) instead of the selector's. With
+        The view holds positions up to ``start + start_offset + num_tokens - 1`` (`start`: 0-d long tensor;
+        `num_tokens` defaults to the T of `query` (B, H_q, T, D), whose rows score the blocks). `raw` (B, H_kv,
+        NB_cap): scores of those rows computed elsewhere (the prefill window) instead of the selector's. With
         `OasisConfig.score_decay` the scores of a selector that takes it (not `static` or `oracle`) are merged into
         the layer's selection memory.
         """
         cfg = self.config
-        num_tokens = query.shape[2] if num_tokens is None else num_tokens
-        num_blocks = (start + num_tokens + cfg.block_size - 1) // cfg.block_size
-        ids = self._block_ids()
-        first = (self.kv_start // cfg.block_size).view(-1, 1, 1)
-        block_ok = (ids >= first) & (ids < num_blocks)
-        if raw is None:
-            raw = self.cache.selector.score(self, query, scale, block_ok)
-        if cfg.score_decay > 0 and self.cache.selector.window_and_memory:
-            rows = query.shape[1] // self.num_kv_heads * query.shape[2]  # G * T rows per KV head
-            raw = torch.maximum(torch.where(block_ok, raw.float() / rows, 0.0), self.score_memory * cfg.score_decay)
-            self.score_memory.copy_(raw)  # fixed shape, in place: captured with the step or the job
-        recent_from = torch.minimum(num_blocks - cfg.recent_blocks, start // cfg.block_size)
-        forced = block_ok & ((ids < first + cfg.sink_blocks) | (ids >= recent_from))
-        return torch.where(forced, INF, torch.where(block_ok, raw.float(), -INF))
+        selector = self.cache.selector
+        if raw is None and selector.scoring == "custom":
+            raw = selector.score(self, query, scale)
+        score = score_blocks if use_triton(query, cfg.kernel_backend) else score_blocks_ref
+        return score(
+            query, self.summaries.data, raw, self.score_memory, self.kv_start, start, scale,
+            kind=self.summaries.kind, source="raw" if raw is not None else selector.scoring,
+            num_tokens=query.shape[2] if num_tokens is None else num_tokens, block_size=cfg.block_size,
+            sink_blocks=cfg.sink_blocks, recent_blocks=cfg.recent_blocks,
+            decay=cfg.score_decay if selector.window_and_memory else 0.0, start_offset=start_offset,
+        )  # fmt: skip
 
     def _plan(self, scores: torch.Tensor, max_fetch: int | None, count: bool = True):
         """`BlockTable.plan` with this layer's kernel backend; `count`: add the fetched blocks to the stats."""
         fetched = self.cache.stats.counters(self.device)[1:2] if count else None
         return self.table.plan(scores, max_fetch, self.config.kernel_backend, fetched)
 
-    def _block_ids(self) -> torch.Tensor:
-        """(1, 1, NB_cap) arange, rebuilt only when the capacity grows."""
-        cap = self.table.capacity_blocks
-        if self._ids is None or self._ids.shape[-1] != cap:
-            self._ids = torch.arange(cap, device=self.device).view(1, 1, -1)
-        return self._ids
-
-    def _pinned_slots(self, num_blocks) -> torch.Tensor:
-        """(B, H_kv, S) bool: slots whose block is a sink or in the recent window for `num_blocks` blocks."""
-        cfg = self.config
-        resident = self.table.slot_block[..., : cfg.budget_blocks]
-        first = (self.kv_start // cfg.block_size).view(-1, 1, 1)
-        sink = (resident >= first) & (resident < first + cfg.sink_blocks)
-        return (resident >= 0) & (sink | (resident >= num_blocks - cfg.recent_blocks))
-
-    def exact_block_mass(self, query: torch.Tensor, scale: float, block_ok: torch.Tensor) -> torch.Tensor:
+    def exact_block_mass(self, query: torch.Tensor, scale: float) -> torch.Tensor:
         """(B, H_kv, NB_cap): exact softmax attention mass of `query` per block, from the full keys on host."""
         if self.writeback_event is not None:
             self.writeback_event.synchronize()

@@ -62,22 +62,29 @@ def use_triton(tensor: torch.Tensor, backend: str) -> bool:
     return choice
 
 
+from oasis_hf.kernels.append_tokens import append_tokens, write_tokens  # noqa: E402
 from oasis_hf.kernels.copy_rows import copy_rows  # noqa: E402
 from oasis_hf.kernels.gather_blocks import gather_blocks  # noqa: E402
 from oasis_hf.kernels.plan_blocks import plan_blocks  # noqa: E402
 from oasis_hf.kernels.ref import (  # noqa: E402
+    SUMMARY_LAYOUT,
+    append_tokens_ref,
     copy_rows_ref,
     gather_blocks_ref,
     plan_blocks_ref,
     score_blocks_ref,
     sparse_attention_ref,
+    write_tokens_ref,
 )
 from oasis_hf.kernels.score_blocks import score_blocks  # noqa: E402
 from oasis_hf.kernels.sparse_attention import sparse_attention  # noqa: E402
 
 __all__ = [
     "INTERPRET",
+    "SUMMARY_LAYOUT",
     "TRITON_AVAILABLE",
+    "append_tokens",
+    "append_tokens_ref",
     "copy_rows",
     "copy_rows_ref",
     "gather_blocks",
@@ -89,4 +96,6 @@ __all__ = [
     "sparse_attention",
     "sparse_attention_ref",
     "use_triton",
+    "write_tokens",
+    "write_tokens_ref",
 ]

@@ -2,18 +2,20 @@
 
 The PyTorch form of the plan (`plan_blocks_ref`: sort, gathers, a scatter-add, two argsorts, four scatters, the
 score refresh) is about 57 small kernels per layer; inside a captured CUDA graph each still costs a few
-microseconds, which made planning 250-330 us of every layer's selection job on the H200 (the job ran longer than the
-decode step it should hide behind). Here one program per (sequence, KV head) does all of it in registers:
+microseconds. Here one program per (sequence, KV head) does all of it:
 
-1. every block's score is packed with its index into one int64 key (order-preserving float bits, then the index,
-   lower first on ties) and sorted: the first ``S`` keys are the wanted blocks, in score order;
+1. the wanted blocks are the ``S`` best by (score, then lower index): a bisection over the order-preserving integer
+   form of the scores finds the ``S``-th best score in 32 counting passes over the ``NB`` scores held in registers,
+   ties at that score go to the lowest indices (a prefix sum), and the ``S`` winners are compacted (a second prefix
+   sum) into a scratch row and sorted, best first. Work grows linearly with ``NB`` (a full sort of the ``NB`` keys
+   took 220 us per layer at 128k tokens on the H200, slower than the PyTorch twin);
 2. a resident block is kept iff its key is at least the ``S``-th key (keys are unique), so hits need no search;
 3. the eviction order (empty slots, then the least important residents, kept slots last) and the output order
-   (misses first, in score order) are two more sorts of packed keys over ``S`` entries;
+   (misses first, in score order) are two sorts of packed keys over ``S`` entries;
 4. the misses take the freed slots in order, the tables are written, and every slot's score is refreshed.
 
 Ties are broken by index exactly as the twin does, so the kernel and `plan_blocks_ref` return identical plans and
-tables. The work per program is a sort of ``NB`` (blocks in the table) int64 keys: ``NB <= MAX_BLOCKS``.
+tables. One program holds the ``NB`` scores of its table in registers: ``NB <= MAX_BLOCKS``.
 """
 
 from __future__ import annotations
@@ -26,9 +28,8 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-#: Most logical blocks one program sorts in registers (64k tokens at block size 32). At 4097 blocks (128k) the
-#: one-program sort measured slower than the twin on the H200 (220 against 183 us), so larger tables use the twin.
-MAX_BLOCKS = 2048
+#: Most logical blocks one program holds in registers (512k tokens at block size 32); larger tables use the twin.
+MAX_BLOCKS = 16384
 #: Most slots per (sequence, KV head) the kernel handles (budget 8192 tokens at block size 16).
 MAX_SLOTS = 512
 
@@ -54,6 +55,7 @@ if triton is not None:
         OUT_SLOTS,
         OUT_VALID,
         FETCHED,
+        SCRATCH,
         num_blocks,
         num_slots,
         stride_slot_row,
@@ -68,18 +70,34 @@ if triton is not None:
         slot_block = SLOT_BLOCK + row * stride_slot_row
         slot_score = SLOT_SCORE + row * stride_slot_row
         block_slot = BLOCK_SLOT + row * stride_block_row
+        scratch = SCRATCH + row * SP
         neg_inf = float("-inf")
         pos_inf = float("inf")
 
-        # 1. The wanted blocks: the S best keys (score, then lower index), best first.
+        # 1. The wanted blocks: the S best keys (score, then lower index), best first. Bisection for the S-th best
+        # ordered score t: count(okey >= t) >= S > count(okey > t).
         ids = tl.arange(0, NBP)
-        score = tl.load(scores + ids, mask=ids < num_blocks, other=neg_inf)
-        keys = (_ordered(score).to(tl.int64) << 32) | (0x7FFFFFFF - ids).to(tl.int64)
-        keys = tl.sort(keys, descending=True)
-        rows = tl.arange(0, NBP // SP)[:, None]
-        top_key = tl.sum(tl.where(rows == 0, tl.reshape(keys, (NBP // SP, SP)), 0), axis=0)  # keys[:SP]
+        live = ids < num_blocks
+        score = tl.load(scores + ids, mask=live, other=neg_inf)
+        okey = _ordered(score).to(tl.int64)
+        lo = tl.full((), -2147483648, tl.int64)
+        hi = tl.full((), 2147483648, tl.int64)
+        for _ in range(32):
+            mid = (lo + hi) >> 1
+            enough = tl.sum(((okey >= mid) & live).to(tl.int32), axis=0) >= num_slots
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid)
+        above = (okey > lo) & live
+        tie = (okey == lo) & live
+        room = num_slots - tl.sum(above.to(tl.int32), axis=0)
+        chosen = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= room))
+        keys = (okey << 32) | (0x7FFFFFFF - ids).to(tl.int64)
+        place = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+        tl.store(scratch + place, keys, mask=chosen)
+        tl.debug_barrier()  # the compacted row is complete before any thread reads it
         j = tl.arange(0, SP)
         in_s = j < num_slots
+        top_key = tl.sort(tl.load(scratch + j, mask=in_s, other=-0x7FFFFFFFFFFFFFFF), descending=True)
         wanted = 0x7FFFFFFF - (top_key & 0xFFFFFFFF)
         top = tl.load(scores + wanted, mask=in_s & (wanted < num_blocks), other=neg_inf)
         wanted_ok = in_s & (top > neg_inf)
@@ -176,15 +194,16 @@ def plan_blocks(
         raise ValueError(f"plan_blocks: scores must be float32, got {scores.dtype}")
     scores = scores.contiguous()
     sp = max(2, triton.next_power_of_2(num_slots))
-    nbp = max(2 * sp, triton.next_power_of_2(num_blocks))  # >= 2 rows when taking the first SP sorted keys
+    nbp = max(2, triton.next_power_of_2(num_blocks))
     out_blocks = torch.empty((batch, heads, num_slots), dtype=torch.long, device=scores.device)
     out_slots = torch.empty_like(out_blocks)
     out_valid = torch.empty((batch, heads, num_slots), dtype=torch.bool, device=scores.device)
+    scratch = torch.empty((batch * heads, sp), dtype=torch.long, device=scores.device)
     cap = num_slots if max_fetch is None else min(int(max_fetch), num_slots)
     _plan_blocks_kernel[(batch * heads,)](
         scores, slot_block, slot_score, block_slot, out_blocks, out_slots, out_valid.view(torch.int8),
-        fetched if fetched is not None else out_blocks, num_blocks, num_slots, slot_block.stride(-2),
+        fetched if fetched is not None else out_blocks, scratch, num_blocks, num_slots, slot_block.stride(-2),
         block_slot.stride(-2), cap, COUNT=fetched is not None, NBP=nbp, SP=sp,
-        num_warps=4 if nbp <= 2048 else 8,
+        num_warps=4 if nbp <= 1024 else (8 if nbp <= 4096 else 16),
     )
     return out_blocks, out_slots, out_valid

@@ -8,6 +8,14 @@ from __future__ import annotations
 
 import torch
 
+_INF = float("inf")
+_FLT_MAX = torch.finfo(torch.float32).max
+
+#: Block summaries per kind, stacked along the first dim of a summaries tensor (n, B, H_kv, NB_cap, D): Quest's
+#: per-channel bounds lo and hi first, then the mean key. `oasis_hf.cache.summaries.BlockSummaries` stores this
+#: layout; `append_tokens` and `score_blocks` read it.
+SUMMARY_LAYOUT = {"mean": ("mean",), "minmax": ("lo", "hi"), "mean+minmax": ("lo", "hi", "mean")}
+
 
 def sparse_attention_ref(
     query: torch.Tensor,
@@ -68,32 +76,6 @@ def sparse_attention_ref(
     return out.to(query.dtype)
 
 
-def score_blocks_ref(
-    query: torch.Tensor,
-    summary: torch.Tensor,
-    block_ok: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Softmax-over-blocks attention share of every block (twin of `score_blocks`).
-
-    Parameters
-    ----------
-    query : (B, H_q, T, D) queries. summary : (B, H_kv, NB, D) one summary key per block. block_ok : (B, NB) bool,
-    the blocks the softmax runs over. scale : softmax scale.
-
-    Returns
-    -------
-    (B, H_kv, NB) float32: ``softmax_n(q_r . s_n * scale)`` per query row over the allowed blocks, summed over the
-    ``G * T`` rows of each KV head's group; 0 outside `block_ok`.
-    """
-    batch, _, _, head_dim = query.shape
-    num_kv_heads = summary.shape[1]
-    q = query.float().reshape(batch, num_kv_heads, -1, head_dim)  # (B, H_kv, G*T, D)
-    logits = torch.einsum("bhmd,bhnd->bhmn", q, summary.float()) * scale
-    logits = logits.masked_fill(~block_ok[:, None, None, :], float("-inf"))
-    return torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2)
-
-
 def copy_rows_ref(
     src: torch.Tensor,
     src_offsets: torch.Tensor,
@@ -139,8 +121,6 @@ def _flat_view(tensor: torch.Tensor) -> torch.Tensor:
 # and ``block_slot`` (B, H_kv, NB_cap + 1), each with a trailing "trash" column that masked scatters write to.
 # Ties are broken by index (lower block first in the wanted order, lower slot first in the eviction order), so the
 # Triton kernel `plan_blocks` can reproduce the result exactly.
-
-_INF = float("inf")
 
 
 def propose_blocks(scores: torch.Tensor, slot_block: torch.Tensor, block_slot: torch.Tensor, max_fetch: int | None):
@@ -245,3 +225,196 @@ def gather_blocks_ref(
     b_src, h_src, rows_src = (t.to(src_k.device) for t in (b, h, rows))
     for src, dst in ((src_k, dst_k), (src_v, dst_v)):
         dst[b, h, dst_slots] = src[b_src, h_src, rows_src].to(dst.device)
+
+
+# ------------------------------------------------------------------------------------------- summaries and scores
+def summarize_blocks(kind: str, blocks_k: torch.Tensor, token_ok: torch.Tensor) -> torch.Tensor:
+    """The summaries of `kind` of ``n`` blocks: (len(SUMMARY_LAYOUT[kind]), B, H_kv, n, D) in the keys' dtype.
+
+    blocks_k : (B, H_kv, n, BS, D) keys; token_ok : (B, 1 or H_kv, n, BS) bool, False for padding and unwritten
+    tokens. The mean of the real keys (zero for an empty block) and their per-channel min and max (zero when
+    empty), computed in float32.
+    """
+    ok = token_ok[..., None]
+    k = blocks_k.float()
+    parts = {}
+    if "mean" in SUMMARY_LAYOUT[kind]:
+        parts["mean"] = torch.where(ok, k, 0.0).sum(3) / ok.sum(3).clamp(min=1)
+    if "lo" in SUMMARY_LAYOUT[kind]:
+        any_ok = ok.any(3)
+        parts["lo"] = torch.where(any_ok, torch.where(ok, k, _INF).amin(3), 0.0)
+        parts["hi"] = torch.where(any_ok, torch.where(ok, k, -_INF).amax(3), 0.0)
+    return torch.stack([parts[name] for name in SUMMARY_LAYOUT[kind]]).to(blocks_k.dtype)
+
+
+def _summary_shares(query: torch.Tensor, summaries: torch.Tensor, kind: str, ok: torch.Tensor, scale: float):
+    """(B, H_kv, NB) float32: each query row's softmax over the `ok` blocks of its block logits (mean key: the mean
+    logit; bounds: Quest's upper bound ``relu(q) . hi + min(q, 0) . lo``), summed over the G * T rows of a group;
+    ``mean+minmax`` averages the two. Zero outside `ok` (B, 1 or H_kv, NB)."""
+    batch, _, _, head_dim = query.shape
+    num_kv_heads = summaries.shape[2]
+    q = query.float().reshape(batch, num_kv_heads, -1, head_dim)  # (B, H_kv, G*T, D), rows ordered (g, t)
+    layout = SUMMARY_LAYOUT[kind]
+    logits = []
+    if "mean" in layout:
+        logits.append(torch.einsum("bhmd,bhnd->bhmn", q, summaries[layout.index("mean")].float()))
+    if "lo" in layout:
+        lo, hi = summaries[layout.index("lo")].float(), summaries[layout.index("hi")].float()
+        logits.append(torch.einsum("bhmd,bhnd->bhmn", q.clamp(min=0), hi)
+                      + torch.einsum("bhmd,bhnd->bhmn", q.clamp(max=0), lo))
+    shares = [torch.softmax((x * scale).masked_fill(~ok[:, :, None], -_INF), dim=-1).nan_to_num(0.0).sum(2)
+              for x in logits]
+    return shares[0] if len(shares) == 1 else 0.5 * (shares[0] + shares[1])
+
+
+def score_blocks_ref(
+    query: torch.Tensor,
+    summaries: torch.Tensor,
+    raw: torch.Tensor | None,
+    memory: torch.Tensor | None,
+    kv_start: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    *,
+    kind: str,
+    source: str,
+    num_tokens: int,
+    block_size: int,
+    sink_blocks: int,
+    recent_blocks: int,
+    decay: float = 0.0,
+    start_offset: int = 0,
+) -> torch.Tensor:
+    """Every block's selection score with the rules every selector shares (twin of `score_blocks`).
+
+    The view holds positions up to ``p0 + num_tokens - 1``, ``p0 = start + start_offset`` (`start`: 0-d long
+    tensor), so ``nb = ceil((p0 + num_tokens) / BS)`` blocks exist; a block is choosable when it holds real tokens
+    (``kv_start // BS <= block < nb``).
+
+    Parameters
+    ----------
+    query : (B, H_q, T, D) the rows that score (``source="summaries"``); for the other sources only its shape.
+    summaries : (n, B, H_kv, NB_cap, D) block summaries in the layout of `kind` (`SUMMARY_LAYOUT`).
+    raw : (B, H_kv, NB_cap) scores computed elsewhere (``source="raw"``: the exact mass of an oracle or of the
+        prefill window), else None.
+    memory : (B, H_kv, NB_cap) float32 selection memory, updated in place when ``decay > 0`` (else unused).
+    kv_start : (B,) first real position. scale : softmax scale.
+    kind : summary layout. source : ``"summaries"`` (softmax share of each row's block logits, summed over the G * T
+        rows), ``"recency"`` (the block index: StreamingLLM) or ``"raw"``.
+    block_size, sink_blocks, recent_blocks : the config's geometry.
+    decay : selection memory: a choosable block's score becomes ``max(score / (G * T), decay * memory)``.
+
+    Returns
+    -------
+    (B, H_kv, NB_cap) float32: ``+inf`` for the sinks (the first `sink_blocks` real blocks) and the recent blocks
+    (from ``min(nb - recent_blocks, p0 // BS)`` on), ``-inf`` for blocks that are not choosable, else the score.
+    """
+    batch, num_kv_heads, capacity = summaries.shape[1], summaries.shape[2], summaries.shape[3]
+    view_start = start + start_offset
+    num_blocks = (view_start + num_tokens + block_size - 1) // block_size
+    ids = torch.arange(capacity, device=summaries.device).view(1, 1, -1)
+    first = (kv_start // block_size).view(-1, 1, 1)
+    ok = (ids >= first) & (ids < num_blocks)  # (B, 1, NB_cap)
+    if source == "summaries":
+        score = _summary_shares(query, summaries, kind, ok, scale)
+    elif source == "recency":
+        score = ids.float().expand(batch, num_kv_heads, -1)
+    elif source == "raw":
+        score = raw.float()
+    else:
+        raise ValueError(f"score_blocks: unknown source {source!r}; choose 'summaries', 'recency' or 'raw'")
+    if decay > 0:
+        rows = query.shape[1] // num_kv_heads * query.shape[2]
+        score = torch.maximum(torch.where(ok, score / rows, 0.0), memory * decay)
+        memory.copy_(score)
+    recent_from = torch.minimum(num_blocks - recent_blocks, view_start // block_size)
+    forced = ok & ((ids < first + sink_blocks) | (ids >= recent_from))
+    return torch.where(forced, _INF, torch.where(ok, score, -_INF))
+
+
+# ------------------------------------------------------------------------------------------------- new tokens
+def append_tokens_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    start: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    slot_block: torch.Tensor,
+    slot_score: torch.Tensor,
+    block_slot: torch.Tensor,
+    summaries: torch.Tensor,
+    kv_start: torch.Tensor,
+    *,
+    kind: str,
+    sink_blocks: int,
+    recent_blocks: int,
+) -> None:
+    """The bookkeeping of a decode / verification forward's ``T`` new tokens (twin of `append_tokens`).
+
+    1. The blocks the tokens touch that are not resident get slots: the r-th such block takes the r-th cheapest
+       slot (empty first, then the lowest score, lower slot first on ties), never one holding a sink, a recent
+       block (the last `recent_blocks` of the sequence) or a block the new tokens touch; the evicted block leaves
+       the table, the new one enters with score ``+inf``.
+    2. The tokens' K/V are written into their slots.
+    3. The summaries of the touched blocks are recomputed from the pool (`summarize_blocks`).
+
+    Parameters
+    ----------
+    key, value : (B, H_kv, T, D) the new tokens, at positions ``start .. start + T - 1`` (`start`: 0-d long tensor).
+    pool_k, pool_v : (B, H_kv, S, BS, D). slot_block, slot_score : (B, H_kv, S + 1); block_slot : (B, H_kv, NB_cap
+        + 1): the residency table (`oasis_hf.cache.block_table.BlockTable`), updated in place.
+    summaries : (n, B, H_kv, NB_cap, D) in the layout of `kind`, updated in place. kv_start : (B,) first real position.
+    sink_blocks, recent_blocks : the config's geometry.
+    """
+    batch, heads, num_tokens, _ = key.shape
+    num_slots, block_size = slot_block.shape[-1] - 1, pool_k.shape[3]
+    dev = key.device
+    end = start + num_tokens
+    num_blocks = (end + block_size - 1) // block_size
+    first, last = start // block_size, (end - 1) // block_size
+    candidates = first + torch.arange(-(-(num_tokens - 1) // block_size) + 1, device=dev)
+    touched = torch.minimum(candidates, last).expand(batch, heads, -1)  # padded to a fixed count with `last`
+    fresh = (candidates <= last) & (block_slot.gather(-1, touched) < 0)
+    resident = slot_block[..., :num_slots]
+    first_real = (kv_start // block_size).view(-1, 1, 1)
+    sink = (resident >= first_real) & (resident < first_real + sink_blocks)
+    pinned = (resident >= 0) & (sink | (resident >= torch.minimum(num_blocks - recent_blocks, first)))
+    score = slot_score[..., :num_slots].clamp(max=_FLT_MAX)
+    evict_key = torch.where(pinned, _INF, torch.where(resident < 0, -_INF, score))
+    cheapest = evict_key.sort(dim=-1, stable=True).indices[..., : touched.shape[-1]]
+    rank = (fresh.long().cumsum(-1) - 1).clamp(min=0)  # the r-th fresh block takes the r-th cheapest slot
+    assign_blocks(slot_block, slot_score, block_slot, touched, cheapest.gather(-1, rank), fresh,
+                  torch.full(touched.shape, _INF, device=dev))
+    b_idx = torch.arange(batch, device=dev).view(-1, 1, 1)
+    h_idx = torch.arange(heads, device=dev).view(1, -1, 1)
+    pos = start + torch.arange(num_tokens, device=dev)
+    slot = block_slot.gather(-1, (pos // block_size).expand(batch, heads, -1))  # (B, H_kv, T)
+    pool_k[b_idx, h_idx, slot, pos % block_size] = key.to(pool_k.dtype)
+    pool_v[b_idx, h_idx, slot, pos % block_size] = value.to(pool_v.dtype)
+    blocks = touched[0, 0]
+    token_pos = (blocks[:, None] * block_size + torch.arange(block_size, device=dev)).view(1, 1, -1, block_size)
+    token_ok = (token_pos < end) & (token_pos >= kv_start.view(-1, 1, 1, 1))
+    touched_k = pool_k[b_idx, h_idx, block_slot.gather(-1, touched)]  # (B, H_kv, n, BS, D)
+    summaries.index_copy_(3, blocks, summarize_blocks(kind, touched_k, token_ok))
+
+
+def write_tokens_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    start: torch.Tensor,
+    dst_k: torch.Tensor,
+    dst_v: torch.Tensor,
+    first_block: int,
+) -> None:
+    """Write-back of new tokens into one host store segment (twin of `write_tokens`).
+
+    key, value : (B, H_kv, T, D) at positions ``start .. start + T - 1`` (`start`: 0-d long tensor).
+    dst_k, dst_v : (B, H_kv, NB_seg, BS, D) a segment holding logical blocks ``first_block ..``; rows outside it are
+    skipped.
+    """
+    batch, heads, seg_blocks, block_size, head_dim = dst_k.shape
+    local = (start + torch.arange(key.shape[2], device=key.device) - first_block * block_size).to(dst_k.device)
+    inside = (local >= 0) & (local < seg_blocks * block_size)
+    for src, dst in ((key, dst_k), (value, dst_v)):
+        flat = dst.view(batch, heads, seg_blocks * block_size, head_dim)
+        flat[:, :, local[inside]] = src[:, :, inside.to(src.device)].to(device=dst.device, dtype=dst.dtype)

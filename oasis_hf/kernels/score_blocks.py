@@ -1,20 +1,31 @@
-"""Block scoring: every block's share of the queries' attention, estimated from one summary key per block.
+"""Block scoring with the shared selection rules in two launches: every block's share of the queries' attention,
+estimated from its summary keys, then the rules (sinks and recent blocks forced, padding and the future excluded)
+and the selection memory.
 
-For each (sequence, KV head) the ``G * T`` query rows of the GQA group form one ``(BLOCK_M, D)`` tile; the kernel
-walks the block summaries twice (online max and sum of the softmax over blocks, then the normalised probabilities
-summed over the rows), so scoring is one launch that reads the summaries twice instead of a chain of matmul,
-mask, softmax and sum kernels with a float32 copy of every summary in between.
+For each (sequence, KV head) the ``G * T`` query rows of the GQA group form one ``(BLOCK_M, D)`` tile. A row's
+score for a block is its softmax over the choosable blocks of the block logits: the mean key's logit, or Quest's
+upper bound ``relu(q) . hi + min(q, 0) . lo`` (one bound, two dot products), or the average of both softmax shares
+(``mean+minmax``). The rows are summed, so the group shares one selection.
 
-One program per (sequence, KV head): at batch 8 and 32k tokens (1,024 blocks of 32, head dim 128) it reads 2 x 256
-KiB of summaries per program.
+The blocks of one (sequence, KV head) are split over several programs, so that a batch-1 decode at 128k tokens
+(4,097 blocks, 8 KV heads) still spreads over the GPU: the first launch (``_stats``) computes each split's running
+max and sum of every row's softmax, the second (``_scores``) merges them into the normaliser, recomputes its
+split's logits and writes the final scores with the rules and the memory applied. The sources without summaries
+(``recency``, ``raw``) need only the second launch.
+
+Twin: `score_blocks_ref` (``oasis_hf.kernels.ref``), which states the rules.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import torch
 
 from oasis_hf.kernels import INTERPRET
 from oasis_hf.kernels._tiles import load_query_tile
+from oasis_hf.kernels.ref import SUMMARY_LAYOUT
 
 try:
     import triton
@@ -22,109 +33,259 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
+SOURCES = ("summaries", "recency", "raw")
+#: Blocks per tile of the walk over the summaries.
+_BLOCK_N = 64
+
 
 if triton is not None:
 
     @triton.jit
-    def _block_logits(q, S, OK, b, h, n0, num_blocks, stride_sb, stride_sh, stride_sn, stride_okb, scale, row_ok,
-                      dims, dim_ok, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        col_in = cols < num_blocks
-        ok = tl.load(OK + b * stride_okb + cols, mask=col_in, other=0) != 0
-        s_ptrs = S + b * stride_sb + h * stride_sh + cols[:, None] * stride_sn + dims[None, :]
-        s = tl.load(s_ptrs, mask=col_in[:, None] & dim_ok[None, :], other=0.0)
-        if DOT_FP32:
-            s = s.to(tl.float32)
-        if IEEE:
-            logits = tl.dot(q, tl.trans(s), input_precision="ieee") * scale
-        else:
-            logits = tl.dot(q, tl.trans(s)) * scale
-        allowed = row_ok[:, None] & ok[None, :]
-        return tl.where(allowed, logits, float("-inf")), allowed, cols, col_in
+    def _dot(a, b, IEEE: tl.constexpr):
+        if IEEE:  # float32 operands on the GPU: no silent tf32
+            return tl.dot(a, tl.trans(b), input_precision="ieee")
+        return tl.dot(a, tl.trans(b))
 
     @triton.jit
-    def _score_blocks_kernel(
-        Q, S, OK, OUT,
-        num_blocks, scale,
-        stride_qb, stride_qh, stride_qt,
-        stride_sb, stride_sh, stride_sn,
-        stride_okb,
-        H_KV: tl.constexpr, GROUP: tl.constexpr, NUM_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _logits(q, q_pos, q_neg, S, base, cols, col_in, dims, dim_ok, stride_sn, scale,
+                BOUND: tl.constexpr, MEAN_AT: tl.constexpr, LO_AT: tl.constexpr, HI_AT: tl.constexpr,
+                HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+        """(BLOCK_M, BLOCK_N) logits of the blocks `cols`: the mean key's, or (`BOUND`) Quest's upper bound."""
+        offs = base + cols[:, None] * HEAD_DIM + dims[None, :]
+        mask = col_in[:, None] & dim_ok[None, :]
+        if BOUND:
+            hi = tl.load(S + HI_AT * stride_sn + offs, mask=mask, other=0.0)
+            lo = tl.load(S + LO_AT * stride_sn + offs, mask=mask, other=0.0)
+            if DOT_FP32:
+                hi = hi.to(tl.float32)
+                lo = lo.to(tl.float32)
+            out = _dot(q_pos, hi, IEEE) + _dot(q_neg, lo, IEEE)
+        else:
+            s = tl.load(S + MEAN_AT * stride_sn + offs, mask=mask, other=0.0)
+            if DOT_FP32:
+                s = s.to(tl.float32)
+            out = _dot(q, s, IEEE)
+        return out * scale
+
+    @triton.jit
+    def _view(START, KV_START, b, START_OFFSET: tl.constexpr, NUM_TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        """(first position of the view, blocks in the view, first real block) of sequence `b`."""
+        view_start = tl.load(START).to(tl.int64) + START_OFFSET
+        num_blocks = (view_start + NUM_TOKENS + BLOCK_SIZE - 1) // BLOCK_SIZE
+        first = tl.load(KV_START + b).to(tl.int64) // BLOCK_SIZE
+        return view_start, num_blocks, first
+
+    @triton.jit
+    def _query_tiles(Q, b, h, stride_qb, stride_qh, stride_qt, GROUP: tl.constexpr, NUM_ROWS_T: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr):
+        q, t, row_ok, dims, dim_ok = load_query_tile(Q, b, h, stride_qb, stride_qh, stride_qt, GROUP, NUM_ROWS_T,
+                                                     HEAD_DIM, BLOCK_D, BLOCK_M, DOT_FP32)
+        return q, tl.maximum(q, 0.0), tl.minimum(q, 0.0), row_ok, dims, dim_ok
+
+    @triton.jit(do_not_specialize=["num_cap", "per_split"])
+    def _stats_kernel(
+        Q, S, KV_START, START, M_PART, L_PART,
+        num_cap, per_split, scale,
+        stride_qb, stride_qh, stride_qt, stride_sn, stride_sb, stride_sh,
+        H_KV: tl.constexpr, GROUP: tl.constexpr, NUM_ROWS_T: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        CHANNELS: tl.constexpr, FIRST_BOUND: tl.constexpr, MEAN_AT: tl.constexpr, LO_AT: tl.constexpr,
+        HI_AT: tl.constexpr, START_OFFSET: tl.constexpr, NUM_TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
         bh = tl.program_id(0)
+        split = tl.program_id(1)
         b = bh // H_KV
         h = bh % H_KV
-        q, t, row_ok, dims, dim_ok = load_query_tile(Q, b, h, stride_qb, stride_qh, stride_qt, GROUP, NUM_TOKENS,
-                                                     HEAD_DIM, BLOCK_D, BLOCK_M, DOT_FP32)
-
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        for n0 in range(0, num_blocks, BLOCK_N):
-            logits, allowed, cols, col_in = _block_logits(
-                q, S, OK, b, h, n0, num_blocks, stride_sb, stride_sh, stride_sn, stride_okb, scale, row_ok, dims,
-                dim_ok, BLOCK_N, DOT_FP32, IEEE,
-            )  # fmt: skip
-            m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+        q, q_pos, q_neg, row_ok, dims, dim_ok = _query_tiles(Q, b, h, stride_qb, stride_qh, stride_qt, GROUP,
+                                                             NUM_ROWS_T, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_FP32)
+        _, num_blocks, first = _view(START, KV_START, b, START_OFFSET, NUM_TOKENS, BLOCK_SIZE)
+        base = b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
+        lo_blk = split * per_split
+        hi_blk = tl.minimum(lo_blk + per_split, tl.minimum(num_cap, num_blocks))
+        m0 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l0 = tl.zeros([BLOCK_M], tl.float32)
+        m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l1 = tl.zeros([BLOCK_M], tl.float32)
+        for n0 in range(lo_blk, hi_blk, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            ok = (cols < hi_blk) & (cols >= first)
+            allowed = row_ok[:, None] & ok[None, :]
+            x = tl.where(allowed, _logits(q, q_pos, q_neg, S, base, cols, ok, dims, dim_ok, stride_sn, scale,
+                                          FIRST_BOUND, MEAN_AT, LO_AT, HI_AT, HEAD_DIM, DOT_FP32, IEEE), float("-inf"))
+            m_new = tl.maximum(m0, tl.max(x, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.where(allowed, tl.exp(logits - m_safe[:, None]), 0.0), 1)
-            m_i = m_new
-        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-        inv = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)  # a row with no valid block adds nothing
-        for n0 in range(0, num_blocks, BLOCK_N):
-            logits, allowed, cols, col_in = _block_logits(
-                q, S, OK, b, h, n0, num_blocks, stride_sb, stride_sh, stride_sn, stride_okb, scale, row_ok, dims,
-                dim_ok, BLOCK_N, DOT_FP32, IEEE,
-            )  # fmt: skip
-            p = tl.where(allowed, tl.exp(logits - m_safe[:, None]) * inv[:, None], 0.0)
-            tl.store(OUT + bh * num_blocks + cols, tl.sum(p, axis=0), mask=col_in)
+            l0 = l0 * tl.exp(m0 - m_safe) + tl.sum(tl.where(allowed, tl.exp(x - m_safe[:, None]), 0.0), axis=1)
+            m0 = m_new
+            if CHANNELS == 2:
+                x = tl.where(allowed, _logits(q, q_pos, q_neg, S, base, cols, ok, dims, dim_ok, stride_sn, scale,
+                                              True, MEAN_AT, LO_AT, HI_AT, HEAD_DIM, DOT_FP32, IEEE), float("-inf"))
+                m_new = tl.maximum(m1, tl.max(x, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                l1 = l1 * tl.exp(m1 - m_safe) + tl.sum(tl.where(allowed, tl.exp(x - m_safe[:, None]), 0.0), axis=1)
+                m1 = m_new
+        rows = tl.arange(0, BLOCK_M)
+        part = (bh * NUM_SPLITS + split) * 2 * BLOCK_M
+        tl.store(M_PART + part + rows, m0)
+        tl.store(L_PART + part + rows, l0)
+        tl.store(M_PART + part + BLOCK_M + rows, m1)
+        tl.store(L_PART + part + BLOCK_M + rows, l1)
+
+    @triton.jit
+    def _normaliser(M_PART, L_PART, bh, CHANNEL: tl.constexpr, BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr):
+        """(max, 1 / sum) of every row's softmax over all splits of channel `CHANNEL` (0 and 0 for empty rows)."""
+        rows = tl.arange(0, BLOCK_M)
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        for s in range(NUM_SPLITS):
+            m = tl.maximum(m, tl.load(M_PART + ((bh * NUM_SPLITS + s) * 2 + CHANNEL) * BLOCK_M + rows))
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.zeros([BLOCK_M], tl.float32)
+        for s in range(NUM_SPLITS):
+            offs = ((bh * NUM_SPLITS + s) * 2 + CHANNEL) * BLOCK_M + rows
+            total += tl.load(L_PART + offs) * tl.exp(tl.load(M_PART + offs) - m_safe)
+        return m_safe, tl.where(total > 0, 1.0 / tl.maximum(total, 1e-30), 0.0)
+
+    @triton.jit(do_not_specialize=["num_cap", "per_split", "sink_blocks", "recent_blocks"])
+    def _scores_kernel(
+        Q, S, RAW, MEM, OUT, KV_START, START, M_PART, L_PART,
+        num_cap, per_split, scale, decay, sink_blocks, recent_blocks,
+        stride_qb, stride_qh, stride_qt, stride_sn, stride_sb, stride_sh,
+        H_KV: tl.constexpr, GROUP: tl.constexpr, NUM_ROWS_T: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        SOURCE: tl.constexpr, CHANNELS: tl.constexpr, FIRST_BOUND: tl.constexpr, MEAN_AT: tl.constexpr,
+        LO_AT: tl.constexpr, HI_AT: tl.constexpr, START_OFFSET: tl.constexpr, NUM_TOKENS: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, MEMORY: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+    ):  # fmt: skip
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        b = bh // H_KV
+        h = bh % H_KV
+        view_start, num_blocks, first = _view(START, KV_START, b, START_OFFSET, NUM_TOKENS, BLOCK_SIZE)
+        recent_from = tl.minimum(num_blocks - recent_blocks, view_start // BLOCK_SIZE)
+        row = bh.to(tl.int64) * num_cap
+        lo_blk = split * per_split
+        hi_blk = tl.minimum(lo_blk + per_split, num_cap)
+        if SOURCE == 0:
+            q, q_pos, q_neg, row_ok, dims, dim_ok = _query_tiles(Q, b, h, stride_qb, stride_qh, stride_qt, GROUP,
+                                                                 NUM_ROWS_T, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_FP32)
+            base = b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
+            m0, inv0 = _normaliser(M_PART, L_PART, bh, 0, BLOCK_M, NUM_SPLITS)
+            m1, inv1 = _normaliser(M_PART, L_PART, bh, 1, BLOCK_M, NUM_SPLITS)
+        for n0 in range(lo_blk, hi_blk, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            in_cap = cols < hi_blk
+            ok = in_cap & (cols >= first) & (cols < num_blocks)
+            if SOURCE == 0:
+                allowed = row_ok[:, None] & ok[None, :]
+                x = _logits(q, q_pos, q_neg, S, base, cols, ok, dims, dim_ok, stride_sn, scale, FIRST_BOUND, MEAN_AT,
+                            LO_AT, HI_AT, HEAD_DIM, DOT_FP32, IEEE)
+                score = tl.sum(tl.where(allowed, tl.exp(x - m0[:, None]) * inv0[:, None], 0.0), axis=0)
+                if CHANNELS == 2:
+                    x = _logits(q, q_pos, q_neg, S, base, cols, ok, dims, dim_ok, stride_sn, scale, True, MEAN_AT,
+                                LO_AT, HI_AT, HEAD_DIM, DOT_FP32, IEEE)
+                    bound = tl.sum(tl.where(allowed, tl.exp(x - m1[:, None]) * inv1[:, None], 0.0), axis=0)
+                    score = 0.5 * (score + bound)
+            elif SOURCE == 1:
+                score = cols.to(tl.float32)
+            else:
+                score = tl.load(RAW + row + cols, mask=in_cap, other=0.0).to(tl.float32)
+            if MEMORY:
+                kept = tl.load(MEM + row + cols, mask=in_cap, other=0.0)
+                score = tl.maximum(tl.where(ok, score / (GROUP * NUM_ROWS_T), 0.0), kept * decay)
+                tl.store(MEM + row + cols, score, mask=in_cap)
+            forced = ok & ((cols < first + sink_blocks) | (cols >= recent_from))
+            out = tl.where(forced, float("inf"), tl.where(ok, score, float("-inf")))
+            tl.store(OUT + row + cols, out, mask=in_cap)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _splits(batch_heads: int, num_cap: int, device: torch.device) -> tuple[int, int]:
+    """(splits, blocks per split) of a table of `num_cap` blocks: about two programs per SM on the GPU."""
+    tiles = max(1, math.ceil(num_cap / _BLOCK_N))
+    target = min(2, tiles) if device.type != "cuda" else math.ceil(2 * _sm_count(device) / batch_heads)
+    splits = max(1, min(tiles, target))
+    per_split = math.ceil(tiles / splits) * _BLOCK_N
+    return math.ceil(num_cap / per_split), per_split
 
 
 def score_blocks(
     query: torch.Tensor,
-    summary: torch.Tensor,
-    block_ok: torch.Tensor,
+    summaries: torch.Tensor,
+    raw: torch.Tensor | None,
+    memory: torch.Tensor | None,
+    kv_start: torch.Tensor,
+    start: torch.Tensor,
     scale: float,
+    *,
+    kind: str,
+    source: str,
+    num_tokens: int,
+    block_size: int,
+    sink_blocks: int,
+    recent_blocks: int,
+    decay: float = 0.0,
+    start_offset: int = 0,
 ) -> torch.Tensor:
-    """Softmax-over-blocks attention share of every block, summed over the GQA group and the query tokens.
+    """Every block's selection score, rules and memory applied (Triton; the twin `score_blocks_ref` says what).
 
     Parameters
     ----------
-    query : (B, H_q, T, D)
-        Queries (RoPE applied), last dim contiguous.
-    summary : (B, H_kv, NB, D)
-        One summary key per block (the block's mean key), last dim contiguous.
-    block_ok : (B, NB) bool
-        Blocks that may be chosen; the softmax runs over these only.
-    scale : float
-        Softmax scale of the attention.
+    query : (B, H_q, T, D) the scoring rows, last dim contiguous (only its shape for the other sources).
+    summaries : (n, B, H_kv, NB_cap, D) contiguous, in the layout of `kind` (`SUMMARY_LAYOUT`).
+    raw : (B, H_kv, NB_cap) contiguous (``source="raw"``) or None. memory : (B, H_kv, NB_cap) float32 contiguous,
+        updated in place when ``decay > 0``.
+    kv_start : (B,) int64; start : 0-d int64 tensor (read on the device); scale : softmax scale.
+    kind, source, num_tokens, block_size, sink_blocks, recent_blocks, decay, start_offset : see the twin.
 
     Returns
     -------
-    (B, H_kv, NB) float32: for each query row ``r`` of the group, ``softmax_n(q_r . s_n * scale)`` over the allowed
-    blocks, summed over the ``G * T`` rows; 0 for blocks outside `block_ok`.
+    (B, H_kv, NB_cap) float32. Enqueued on the current stream; no host synchronisation, capturable.
     """
-    batch, num_q_heads, num_tokens, head_dim = query.shape
-    _, num_kv_heads, num_blocks, _ = summary.shape
-    if num_q_heads % num_kv_heads or summary.shape[0] != batch or summary.shape[-1] != head_dim:
-        raise ValueError(f"score_blocks: query {tuple(query.shape)} does not match summary {tuple(summary.shape)}")
-    if query.stride(-1) != 1 or summary.stride(-1) != 1:
-        raise ValueError("score_blocks: query and summary must be contiguous in their last dim")
-    if block_ok.shape != (batch, num_blocks):
-        raise ValueError(f"score_blocks: block_ok must be (B, NB) = {(batch, num_blocks)}, got {tuple(block_ok.shape)}")
-    ok = block_ok.to(torch.uint8)
+    if source not in SOURCES:
+        raise ValueError(f"score_blocks: unknown source {source!r}; choose one of {list(SOURCES)}")
+    layout = SUMMARY_LAYOUT[kind]
+    count, batch, num_kv_heads, num_cap, head_dim = summaries.shape
+    num_q_heads, num_rows_t = query.shape[1], query.shape[2]
+    if count != len(layout) or query.shape[0] != batch or num_q_heads % num_kv_heads or query.shape[3] != head_dim:
+        raise ValueError(f"score_blocks: query {tuple(query.shape)} does not match {kind!r} summaries "
+                         f"{tuple(summaries.shape)}")
+    if not summaries.is_contiguous() or query.stride(-1) != 1:
+        raise ValueError("score_blocks: summaries must be contiguous and query contiguous in its last dim")
+    for name, tensor in (("raw", raw if source == "raw" else None), ("memory", memory if decay > 0 else None)):
+        if tensor is not None and (tensor.shape != (batch, num_kv_heads, num_cap) or not tensor.is_contiguous()):
+            raise ValueError(f"score_blocks: {name} must be a contiguous (B, H_kv, NB_cap) tensor")
+    if (source == "raw" and raw is None) or (decay > 0 and memory is None):
+        raise ValueError("score_blocks: source='raw' needs `raw`, decay > 0 needs `memory`")
+    dev = summaries.device
     group = num_q_heads // num_kv_heads
-    out = torch.empty(batch, num_kv_heads, num_blocks, device=query.device, dtype=torch.float32)
-    _score_blocks_kernel[(batch * num_kv_heads,)](
-        query, summary, ok, out,
-        num_blocks, scale,
-        query.stride(0), query.stride(1), query.stride(2),
-        summary.stride(0), summary.stride(1), summary.stride(2),
-        ok.stride(0),
-        H_KV=num_kv_heads, GROUP=group, NUM_TOKENS=num_tokens, HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=max(16, triton.next_power_of_2(group * num_tokens)),
-        BLOCK_N=64, DOT_FP32=INTERPRET or query.dtype == torch.float32,
-        IEEE=not INTERPRET and query.dtype == torch.float32,
+    splits, per_split = _splits(batch * num_kv_heads, num_cap, dev)
+    block_m = max(16, triton.next_power_of_2(group * num_rows_t))
+    out = torch.empty(batch, num_kv_heads, num_cap, device=dev, dtype=torch.float32)
+    m_part = torch.empty(batch * num_kv_heads * splits * 2 * block_m, device=dev, dtype=torch.float32)
+    l_part = torch.empty_like(m_part)
+    kv_start = kv_start.to(torch.int64)
+    channels = 2 if kind == "mean+minmax" else 1
+    common = dict(
+        H_KV=num_kv_heads, GROUP=group, NUM_ROWS_T=num_rows_t, HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=_BLOCK_N, NUM_SPLITS=splits,
+        CHANNELS=channels, FIRST_BOUND=kind == "minmax", MEAN_AT=layout.index("mean") if "mean" in layout else 0,
+        LO_AT=layout.index("lo") if "lo" in layout else 0, HI_AT=layout.index("hi") if "hi" in layout else 0,
+        START_OFFSET=start_offset, NUM_TOKENS=num_tokens, BLOCK_SIZE=block_size,
+        DOT_FP32=INTERPRET or query.dtype == torch.float32, IEEE=not INTERPRET and query.dtype == torch.float32,
+    )  # fmt: skip
+    strides = (query.stride(0), query.stride(1), query.stride(2), summaries.stride(0), summaries.stride(1),
+               summaries.stride(2))
+    grid = (batch * num_kv_heads, splits)
+    if source == "summaries":
+        _stats_kernel[grid](query, summaries, kv_start, start, m_part, l_part, num_cap, per_split, scale, *strides,
+                            **common)
+    _scores_kernel[grid](
+        query, summaries, raw if raw is not None else out, memory if memory is not None else out, out, kv_start,
+        start, m_part, l_part, num_cap, per_split, scale, float(decay), sink_blocks, recent_blocks, *strides,
+        SOURCE=SOURCES.index(source), MEMORY=decay > 0, **common,
     )  # fmt: skip
     return out

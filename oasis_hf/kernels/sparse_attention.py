@@ -8,7 +8,8 @@ Algorithm (split-K flash decoding over a block table):
   keys at positions ``block * BS + [0, BS)``; keys are masked by validity (``< seq_len``), left padding
   (``>= kv_start[b]``) and causality (key position <= query position, queries sitting at the end of the sequence);
 - online softmax in float32; each split writes an unnormalised partial output plus its running max and sum, and a
-  short PyTorch epilogue merges the splits (log-sum-exp weights).
+  second launch merges the splits (log-sum-exp weights) straight into the ``(B, T, H_q, D)`` output (in PyTorch
+  that epilogue was ten small kernels per layer-step).
 
 Bytes: each launch reads ``B * H_kv * S * BS * D * 2`` elements of K and V once (plus the queries), so at batch 32
 and a 2048-token budget it is bound by HBM bandwidth, not by arithmetic.
@@ -127,6 +128,38 @@ if triton is not None:
         tl.store(L_PART + part + rows, l_i)
 
 
+    @triton.jit
+    def _merge_splits_kernel(
+        O_PART, M_PART, L_PART, OUT,
+        stride_ob, stride_ot, stride_oh,
+        H_KV: tl.constexpr, GROUP: tl.constexpr, NUM_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    ):  # fmt: skip
+        # out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s over the splits s; rows that see no key are zero.
+        bh = tl.program_id(0)
+        b = bh // H_KV
+        h = bh % H_KV
+        rows = tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, BLOCK_D)
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        for s in range(NUM_SPLITS):
+            m = tl.maximum(m, tl.load(M_PART + (bh * NUM_SPLITS + s) * BLOCK_M + rows))
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        denom = tl.zeros([BLOCK_M], tl.float32)
+        for s in range(NUM_SPLITS):
+            part = (bh * NUM_SPLITS + s) * BLOCK_M + rows
+            weight = tl.exp(tl.load(M_PART + part) - m_safe)
+            denom += weight * tl.load(L_PART + part)
+            acc += weight[:, None] * tl.load(O_PART + part[:, None] * BLOCK_D + dims[None, :])
+        out = acc / tl.maximum(denom, 1e-30)[:, None]
+        g = rows // NUM_TOKENS
+        t = rows % NUM_TOKENS
+        ptrs = OUT + b * stride_ob + t[:, None] * stride_ot + (h * GROUP + g)[:, None] * stride_oh + dims[None, :]
+        mask = (rows < GROUP * NUM_TOKENS)[:, None] & (dims < HEAD_DIM)[None, :]
+        tl.store(ptrs, out.to(OUT.dtype.element_ty), mask=mask)
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -213,13 +246,10 @@ def sparse_attention(
         IEEE=not INTERPRET and query.dtype == torch.float32,
     )  # fmt: skip
 
-    # Merge the splits: out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s.
-    o_part = o_part.view(batch * num_kv_heads, num_splits, block_m, block_d)
-    m_part = m_part.view(batch * num_kv_heads, num_splits, block_m)
-    l_part = l_part.view_as(m_part)
-    m_max = m_part.amax(dim=1, keepdim=True)
-    weight = torch.exp(m_part - m_max.nan_to_num(neginf=0.0)).nan_to_num(0.0)  # (BH, splits, M)
-    denom = (weight * l_part).sum(dim=1)  # (BH, M)
-    out = (weight[..., None] * o_part).sum(dim=1) / denom.clamp_min(1e-30)[..., None]
-    out = out[:, : group * num_tokens, :head_dim].reshape(batch, num_kv_heads, group, num_tokens, head_dim)
-    return out.permute(0, 3, 1, 2, 4).reshape(batch, num_tokens, num_q_heads, head_dim).to(query.dtype)
+    out = torch.empty(batch, num_tokens, num_q_heads, head_dim, device=dev, dtype=query.dtype)
+    _merge_splits_kernel[(batch * num_kv_heads,)](
+        o_part, m_part, l_part, out, out.stride(0), out.stride(1), out.stride(2),
+        H_KV=num_kv_heads, GROUP=group, NUM_TOKENS=num_tokens, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
+        NUM_SPLITS=num_splits,
+    )  # fmt: skip
+    return out

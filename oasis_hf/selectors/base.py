@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import ABC
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -21,6 +21,10 @@ class BlockSelector(ABC):
     """
 
     name: ClassVar[str]
+    #: How blocks are scored: ``"summaries"`` (each query row's softmax share over the block summaries, rows of a GQA
+    #: group summed: `oasis_hf.kernels.score_blocks`, fused with the shared rules), ``"recency"`` (the block index)
+    #: or ``"custom"`` (the selector's own `score`).
+    scoring: ClassVar[str] = "summaries"
     #: The score is fixed-shape device work with no host synchronisation, so the decode step that calls it can be
     #: captured in a CUDA graph. Set False for selectors that read host memory or branch on data.
     capturable: ClassVar[bool] = True
@@ -36,10 +40,7 @@ class BlockSelector(ABC):
         """Asynchronous selectors: the rows of this forward's queries (B, H_q, T, D) that score the next step."""
         raise NotImplementedError(f"{type(self).__name__} selects synchronously")
 
-    @abstractmethod
-    def score(self, layer: OasisLayer, query: torch.Tensor, scale: float, block_ok: torch.Tensor) -> torch.Tensor:
-        """Return (B, H_kv, NB_cap) float32 scores.
-
-        query : (B, H_q, T, D) the queries of this forward (RoPE applied). block_ok : (B, 1, NB_cap) bool, the
-        blocks that hold real tokens (entries outside it are ignored).
-        """
+    def score(self, layer: OasisLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """``scoring = "custom"`` only: (B, H_kv, NB_cap) float32 raw scores of `query` (B, H_q, T, D), RoPE
+        applied (the layer then applies the shared rules)."""
+        raise NotImplementedError(f"{type(self).__name__} scores with {self.scoring!r}, not a score method")

@@ -6,13 +6,8 @@ lookahead prefetcher scores with draft-token queries ahead of time.
 
 from __future__ import annotations
 
-import torch
-
 from oasis_hf.selectors.base import BlockSelector
 
 
 class CurrentQuerySelector(BlockSelector):
     name = "current-query"
-
-    def score(self, layer, query: torch.Tensor, scale: float, block_ok: torch.Tensor) -> torch.Tensor:
-        return layer.summaries.score(query, scale, block_ok, layer.config.kernel_backend)

@@ -20,6 +20,3 @@ class LookaheadSelector(BlockSelector):
 
     def lookahead_queries(self, query: torch.Tensor) -> torch.Tensor:
         return query
-
-    def score(self, layer, query: torch.Tensor, scale: float, block_ok: torch.Tensor) -> torch.Tensor:
-        return layer.summaries.score(query, scale, block_ok, layer.config.kernel_backend)

@@ -14,8 +14,9 @@ from oasis_hf.selectors.base import BlockSelector
 
 class OracleSelector(BlockSelector):
     name = "oracle"
+    scoring = "custom"
     capturable = False  # reads every key back from host memory and synchronises
     window_and_memory = False  # the exact top of each step, nothing remembered
 
-    def score(self, layer, query: torch.Tensor, scale: float, block_ok: torch.Tensor) -> torch.Tensor:
-        return layer.exact_block_mass(query, scale, block_ok)
+    def score(self, layer, query: torch.Tensor, scale: float) -> torch.Tensor:
+        return layer.exact_block_mass(query, scale)

@@ -19,6 +19,3 @@ class PreviousQuerySelector(BlockSelector):
 
     def lookahead_queries(self, query: torch.Tensor) -> torch.Tensor:
         return query[:, :, :1]
-
-    def score(self, layer, query: torch.Tensor, scale: float, block_ok: torch.Tensor) -> torch.Tensor:
-        return layer.summaries.score(query, scale, block_ok, layer.config.kernel_backend)
