@@ -19,6 +19,7 @@ table and writes JSON (environment, config, exact command) next to it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import time
@@ -110,17 +111,20 @@ def fill_random_kv(model, cache, batch: int, context: int, dtype, seed: int = 0)
     head_dim = config.hidden_size // config.num_attention_heads
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for idx, device in enumerate(layer_devices(model)):
-        with torch.cuda.device(device):
+        on_gpu = device.type == "cuda"
+        with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():
             shape = (batch, config.num_key_value_heads, context, head_dim)
-            torch.cuda.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-            keys = torch.randn(shape, dtype=dtype, device=device)
-            values = torch.randn(shape, dtype=dtype, device=device)
+            layer_gen = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+            keys = torch.randn(shape, dtype=dtype, device=device, generator=layer_gen)
+            values = torch.randn(shape, dtype=dtype, device=device, generator=layer_gen)
             handle, values = cache.update(keys, values, idx)
             if isinstance(cache, oasis_hf.OasisCache):
-                query = torch.randn(batch, config.num_attention_heads, 1, head_dim, dtype=dtype, device=device)
+                query = torch.randn(batch, config.num_attention_heads, 1, head_dim, dtype=dtype, device=device,
+                                    generator=layer_gen)
                 cache.layers[idx].attend(query, handle, values, None, head_dim**-0.5)
             del keys, values, handle
-            torch.cuda.synchronize(device)  # the write-back of this layer is done: its K/V memory can be reused
+            if on_gpu:
+                torch.cuda.synchronize(device)  # the write-back of this layer is done: its K/V memory can be reused
 
 
 def release_memory() -> None:

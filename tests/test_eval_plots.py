@@ -360,3 +360,32 @@ def test_accuracy_loads_the_draft_only_for_a_row_that_runs_with_it(tmp_path, mon
     with pytest.raises(SystemExit):
         run("lookahead (draft model)", preset="cpu-smollm2-2k")
     assert loaded == []
+
+
+def test_floor_bench_runs_every_kind_of_row_in_one_process(tmp_path, monkeypatch):
+    """Plumbing only, on the CPU (nothing captured, no timing asserted): each point gets its dense rows (the graphed
+    one checked against eager dense attention), its OasisKV rows through DecodeGraph and its floor rows, with the
+    fields the acceptance checks read, and the real-model delta rate replayed as the lookahead cap."""
+    import sys
+
+    from eval import bench_floor
+
+    rate = tmp_path / "rate.json"
+    rate.write_text(json.dumps({"rows": [{"method": "lookahead, draft model (speculative_generate)",
+                                          "blocks/(seq, head, forward)": 2.4}]}))
+    out = tmp_path / "floor"
+    monkeypatch.setattr(sys, "argv", ["bench_floor", "--device", "cpu", "--shape", "tiny", "--points", "2x600",
+                                      "--budget", "256", "--warmup", "1", "--repeats", "2", "--dense-kernels", "sdpa",
+                                      "--delta-rate", str(rate), "--out", str(out)])
+    bench_floor.main()
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    kinds = {r["kind"] for r in rows}
+    assert kinds == {"dense-eager", "dense-graphed", "floor", "oasis-static", "oasis-lookahead", "oasis-current-query"}
+    for row in rows:
+        assert {"method", "kind", "batch", "context", "ms_per_step"} <= set(row), row
+        assert row["batch"] == 2 and row["context"] == 600 and row["ms_per_step"] > 0
+    graphed = next(r for r in rows if r["kind"] == "dense-graphed")
+    assert graphed["logit check"]["same argmax"] and graphed["logit check"]["max abs logit diff"] < 1e-4
+    real = [r for r in rows if "real-model delta rate" in r["method"]]
+    assert len(real) == 1 and real[0]["max_fetch_blocks"] == 3
+    assert out.with_suffix(".md").read_text().count("| floor |") == 2  # the kind column of the two floor rows

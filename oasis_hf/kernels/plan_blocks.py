@@ -78,26 +78,27 @@ if triton is not None:
         # ordered score t: count(okey >= t) >= S > count(okey > t).
         ids = tl.arange(0, NBP)
         live = ids < num_blocks
-        score = tl.load(scores + ids, mask=live, other=neg_inf)
-        okey = _ordered(score).to(tl.int64)
+        okey = _ordered(tl.load(scores + ids, mask=live, other=neg_inf))  # int32 per block, in registers
         lo = tl.full((), -2147483648, tl.int64)
         hi = tl.full((), 2147483648, tl.int64)
         for _ in range(32):
             mid = (lo + hi) >> 1
-            enough = tl.sum(((okey >= mid) & live).to(tl.int32), axis=0) >= num_slots
+            enough = tl.sum(((okey.to(tl.int64) >= mid) & live).to(tl.int32), axis=0) >= num_slots
             lo = tl.where(enough, mid, lo)
             hi = tl.where(enough, hi, mid)
-        above = (okey > lo) & live
-        tie = (okey == lo) & live
+        above = (okey.to(tl.int64) > lo) & live
+        tie = (okey.to(tl.int64) == lo) & live
         room = num_slots - tl.sum(above.to(tl.int32), axis=0)
         chosen = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= room))
-        keys = (okey << 32) | (0x7FFFFFFF - ids).to(tl.int64)
         place = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-        tl.store(scratch + place, keys, mask=chosen)
+        tl.store(scratch + place, ids, mask=chosen)  # the S winners' block ids, compacted in index order
         tl.debug_barrier()  # the compacted row is complete before any thread reads it
         j = tl.arange(0, SP)
         in_s = j < num_slots
-        top_key = tl.sort(tl.load(scratch + j, mask=in_s, other=-0x7FFFFFFFFFFFFFFF), descending=True)
+        picked = tl.load(scratch + j, mask=in_s, other=0)
+        picked_key = (_ordered(tl.load(scores + picked, mask=in_s, other=neg_inf)).to(tl.int64) << 32) | (
+            0x7FFFFFFF - picked).to(tl.int64)
+        top_key = tl.sort(tl.where(in_s, picked_key, -0x7FFFFFFFFFFFFFFF), descending=True)
         wanted = 0x7FFFFFFF - (top_key & 0xFFFFFFFF)
         top = tl.load(scores + wanted, mask=in_s & (wanted < num_blocks), other=neg_inf)
         wanted_ok = in_s & (top > neg_inf)
@@ -198,7 +199,7 @@ def plan_blocks(
     out_blocks = torch.empty((batch, heads, num_slots), dtype=torch.long, device=scores.device)
     out_slots = torch.empty_like(out_blocks)
     out_valid = torch.empty((batch, heads, num_slots), dtype=torch.bool, device=scores.device)
-    scratch = torch.empty((batch * heads, sp), dtype=torch.long, device=scores.device)
+    scratch = torch.empty((batch * heads, sp), dtype=torch.int32, device=scores.device)
     cap = num_slots if max_fetch is None else min(int(max_fetch), num_slots)
     _plan_blocks_kernel[(batch * heads,)](
         scores, slot_block, slot_score, block_slot, out_blocks, out_slots, out_valid.view(torch.int8),

@@ -80,7 +80,7 @@ if triton is not None:
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr):
         q, t, row_ok, dims, dim_ok = load_query_tile(Q, b, h, stride_qb, stride_qh, stride_qt, GROUP, NUM_ROWS_T,
                                                      HEAD_DIM, BLOCK_D, BLOCK_M, DOT_FP32)
-        return q, tl.maximum(q, 0.0), tl.minimum(q, 0.0), row_ok, dims, dim_ok
+        return q, tl.maximum(q, 0.0).to(q.dtype), tl.minimum(q, 0.0).to(q.dtype), row_ok, dims, dim_ok
 
     @triton.jit(do_not_specialize=["num_cap", "per_split"])
     def _stats_kernel(

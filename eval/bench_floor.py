@@ -1,0 +1,368 @@
+"""Decode at the byte floor: OasisKV's whole-step graph against the fastest dense decode, side by side.
+
+    python -m eval.bench_floor --points 8x32512 1x130560 16x32512 --compile-points 8x32512 \
+        --delta-rate eval/results/delta_rate_qwen1.5b_16k.json --out eval/results/floor_h200
+
+A random-weight Llama-3.1-8B-shaped model (bf16; speed does not depend on the weights). Every point (batch x context)
+runs all of its rows in this one process, the K/V filled with random values (no prefill forward):
+
+- ``dense-graphed`` (`eval.dense_baselines`): preallocated K/V, SDPA with ``enable_gqa`` over the valid prefix (and
+  our Triton split-K kernel over every block), the whole forward one CUDA graph; its logits checked against eager
+  dense attention; the faster of the two is the reference every ratio is taken against;
+- ``dense-eager`` (`DynamicCache`) and ``dense-compile`` (`StaticCache` + ``torch.compile``, at ``--compile-points``);
+- ``floor``: the bytes a step must read over the copy bandwidth measured at the start of the run, for dense and for
+  OasisKV at the budget (resident K/V plus one read of the block summaries for the selectors that score);
+- ``oasis-static``, ``oasis-lookahead``, ``oasis-current-query``: `oasis_hf.DecodeGraph` replays (one CUDA graph per
+  step, the lookahead selection jobs forked onto the prefetch stream inside it). Random K/V make every step's
+  selection new, so lookahead moves its ``max_fetch_blocks`` cap (16 per sequence, KV head and layer) every step;
+  ``oasis-lookahead`` at the real-model rate replays the blocks per layer-step Qwen2.5-Coder-1.5B moved at 16k
+  (``--delta-rate``, from `eval.delta_rate`) as the cap.
+
+With ``--profile``, the OasisKV rows of the profiled points also get a kernel-family table (torch.profiler over
+replays: microseconds of GPU time per layer-step by family). Writes ``<out>.json`` (rows of ``method, kind, batch,
+context, ms_per_step`` plus the measurements), ``<out>.md`` and ``<out>.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import re
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+import oasis_hf
+from eval._common import code_identity, environment, markdown_table, median, percentile, time_steps, write_results
+from eval.bench_decode import LLAMA_8B, QWEN_7B, TINY, build_model
+from eval.bench_multigpu import fill_random_kv, release_memory
+from eval.dense_baselines import (
+    GIB,
+    check_dense_graphed,
+    dense_compile_row,
+    dense_eager_row,
+    dense_graphed_row,
+    floor_ms,
+    hbm_bandwidth,
+    kv_bytes_per_token,
+)
+from eval.plot import pyplot_or_none, result_path, save_figure
+from oasis_hf.cache.pinned import PinnedPool
+
+logger = logging.getLogger("eval.bench_floor")
+
+SHAPES = {"llama-8b": LLAMA_8B, "qwen-7b": QWEN_7B, "tiny": TINY}
+METHODS = ("dense-eager", "dense-graphed", "dense-compile", "oasis-static", "oasis-lookahead", "oasis-current-query",
+           "oasis-lookahead-real")
+COLUMNS = ["method", "kind", "batch", "context", "ms_per_step", "ms/step (p90)", "tokens/s",
+           "speed-up vs dense graphed", "step vs static", "vs dense eager", "host enqueue ms/step", "GPU KV MiB/seq",
+           "host MiB/seq", "fetched blocks/(seq, head, layer-step)", "PCIe GB/s", "note"]
+#: Kernel families of the profile table: the first pattern that matches a kernel's name wins.
+FAMILIES = [
+    ("weight GEMMs", r"gemm|cutlass|nvjet|xmma|cublas|splitK"),
+    ("sparse attention", r"_sparse_attention_kernel"),
+    ("attention split merge", r"_merge_splits_kernel"),
+    ("append tokens (slots, pool, table, summaries)", r"_append_tokens_kernel"),
+    ("host write-back", r"_write_tokens_kernel|_copy_rows_kernel"),
+    ("block scoring", r"_stats_kernel|_scores_kernel|_score_blocks_kernel"),
+    ("plan_blocks", r"_plan_blocks_kernel"),
+    ("delta gather (PCIe)", r"_gather_blocks_kernel"),
+    ("dense attention", r"flash|fmha|attention"),
+    ("other PyTorch kernels (norms, RoPE, activations, index, reduce, copies)", r"."),
+]
+
+
+def parse_point(text: str) -> tuple[int, int]:
+    batch, context = text.lower().split("x")
+    return int(batch), int(context)
+
+
+def delta_rate(path: Path | None) -> float | None:
+    """The highest blocks per (sequence, KV head) and forward among an `eval.delta_rate` result's drafted rows."""
+    if path is None:
+        return None
+    rows = json.loads(Path(path).read_text())["rows"]
+    drafted = [r["blocks/(seq, head, forward)"] for r in rows if "draft model" in r["method"]]
+    return max(drafted) if drafted else None
+
+
+def family(name: str) -> str:
+    return next(label for label, pattern in FAMILIES if re.search(pattern, name))
+
+
+def profile_families(step, layers: int, replays: int = 5) -> dict:
+    """GPU microseconds per layer-step and kernel launches per layer-step, by kernel family, over `replays` steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            step()
+        torch.cuda.synchronize()
+    time_us: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
+            label = family(event.name)
+            time_us[label] += event.device_time
+            count[label] += 1
+    per = replays * layers
+    return {label: {"us per layer-step": time_us[label] / per, "kernels per layer-step": count[label] / per}
+            for label, _ in FAMILIES if label in time_us}
+
+
+@torch.inference_mode()
+def oasis_row(model, kind: str, cfg: oasis_hf.OasisConfig, pool: PinnedPool, batch: int, context: int,
+              warmup: int, repeats: int, profile: bool) -> dict:
+    """Fill an OasisCache with random K/V, then time `oasis_hf.DecodeGraph` replays of one-token steps."""
+    release_memory()
+    model.set_attn_implementation("oasis")
+    with oasis_hf.OasisCache(model.config, cfg, host_pool=pool) as cache:
+        t0 = time.perf_counter()
+        fill_random_kv(model, cache, batch, context, next(model.parameters()).dtype)
+        fill_s = time.perf_counter() - t0
+        device = next(model.parameters()).device
+        token = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
+        runner = oasis_hf.DecodeGraph(model, cache)
+
+        def step():
+            nonlocal token
+            logits = runner(token, torch.full_like(token, cache.get_seq_length()))
+            token = logits[:, -1:].argmax(-1)
+
+        enqueue: list[float] = []
+        times = time_steps(step, warmup, repeats, enqueue)
+        stats = cache.stats.summary()
+        layer = cache.oasis_layers[0]
+        pairs = layer.batch_size * layer.num_kv_heads
+        fetched = stats["fetched_blocks_per_layer_step"]
+        block_bytes = cache.host.bytes_per_block() // pairs  # K + V of one (sequence, head) block
+        moved = fetched * block_bytes * len(cache.oasis_layers)
+        row = {"method": f"OasisKV {cfg.selector} @{cfg.budget_tokens} (whole-step graph)", "kind": kind,
+               "context": context, "batch": batch, "ms/step (median)": median(times),
+               "ms/step (p90)": percentile(times, 0.9), "tokens/s": batch * 1e3 / median(times),
+               "host enqueue ms/step": median(enqueue), "GPU KV MiB/seq": cache.device_nbytes() / batch / 2**20,
+               "host MiB/seq": cache.host_nbytes() / batch / 2**20,
+               "fetched blocks/(seq, head, layer-step)": fetched / pairs,
+               "PCIe GB/s": moved / (median(times) / 1e3) / 1e9 if fetched else 0.0, "max_fetch_blocks":
+               cfg.max_fetch_blocks, "prefetch late jobs": stats["prefetch_late"], "KV fill s": fill_s,
+               "raw_ms": times}
+        if profile:
+            row["profile"] = profile_families(step, len(cache.oasis_layers))
+    return row
+
+
+def run_point(model, args, batch: int, context: int, bandwidth: float, pool: PinnedPool, rate: float | None) -> list:
+    rows: list[dict] = []
+    point = f"{batch}x{context}"
+    free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 2**62
+    dense_bytes = batch * (context + 64) * kv_bytes_per_token(model)
+
+    def attempt(fn, label: str, kind: str):
+        logger.info("%s: %s ...", point, label)
+        try:
+            row = fn()
+        except Exception as exc:  # noqa: BLE001 - recorded: one failing method must not lose the others
+            logger.exception("%s failed", label)
+            row = {"method": label, "kind": kind, "batch": batch, "context": context,
+                   "error": f"{type(exc).__name__}: {exc}"[:300]}
+        rows.append(row)
+        release_memory()
+        return row
+
+    fits = dense_bytes + 8 * GIB < free
+    dense_skip = f"dense K/V needs {dense_bytes / GIB:.0f} GiB, {free / GIB:.0f} GiB free"
+    if "dense-eager" in args.methods:
+        if fits and dense_bytes * (1 + 1 / model.config.num_hidden_layers) + 8 * GIB < free:
+            attempt(lambda: dense_eager_row(model, batch, context, args.warmup, args.repeats), "dense eager",
+                    "dense-eager")
+        else:
+            rows.append({"method": "dense eager (DynamicCache, sdpa)", "kind": "dense-eager", "batch": batch,
+                         "context": context, "note": dense_skip})
+    if "dense-graphed" in args.methods:
+        for kernel in args.dense_kernels:
+            if not fits:
+                rows.append({"method": f"dense graphed ({kernel})", "kind": "dense-graphed", "batch": batch,
+                             "context": context, "note": dense_skip})
+                continue
+            row = attempt(lambda k=kernel: dense_graphed_row(model, batch, context, args.warmup, args.repeats, k),
+                          f"dense graphed ({kernel})", "dense-graphed")
+            row["logit check"] = check_dense_graphed(model, batch, min(context, args.check_context), kernel)
+            logger.info("  check: %s", row["logit check"])
+    if "dense-compile" in args.methods and point in args.compile_points and fits and torch.cuda.is_available():
+        attempt(lambda: dense_compile_row(model, batch, context, args.warmup, args.repeats), "dense compile",
+                "dense-compile")
+    host_capacity = context + 64
+    configs = []
+    for method in args.methods:
+        if not method.startswith("oasis-"):
+            continue
+        selector = {"oasis-lookahead-real": "lookahead"}.get(method, method.removeprefix("oasis-"))
+        fields = dict(budget_tokens=args.budget, selector=selector, host_capacity_tokens=host_capacity)
+        if method == "oasis-lookahead-real":
+            if rate is None:
+                continue
+            fields["max_fetch_blocks"] = max(1, math.ceil(rate))
+        configs.append((method, oasis_hf.OasisConfig(**fields)))
+    for method, cfg in configs:
+        kind = "oasis-lookahead" if method == "oasis-lookahead-real" else method
+        profile = (args.profile and point in args.profile_points and method in ("oasis-static", "oasis-lookahead")
+                   and torch.cuda.is_available())
+        row = attempt(lambda cfg=cfg, kind=kind, profile=profile: oasis_row(
+            model, kind, cfg, pool, batch, context, args.warmup, args.repeats, profile), method, kind)
+        if method == "oasis-lookahead-real":
+            row["method"] += f", real-model delta rate ({cfg.max_fetch_blocks} blocks per (seq, head, layer-step))"
+            row["note"] = f"max_fetch_blocks={cfg.max_fetch_blocks}: Qwen2.5-Coder-1.5B's rate at 16k, {rate:.2f}"
+    # The floor: weights + the K/V each method attends over (+ one read of the summaries for scoring selectors).
+    # One mean key per block, layer and KV head: per block the bytes of one token's keys.
+    summary_bytes = batch * (-(-context // 32)) * kv_bytes_per_token(model) // 2
+    rows.append({"method": "floor, dense", "kind": "floor", "batch": batch, "context": context,
+                 "ms/step (median)": floor_ms(model, batch, context + 1, bandwidth)})
+    rows.append({"method": f"floor, sparse @{args.budget} (+ mean-key summaries read once)", "kind": "floor",
+                 "batch": batch, "context": context,
+                 "ms/step (median)": floor_ms(model, batch, args.budget, bandwidth, summary_bytes)})
+    annotate(rows)
+    return rows
+
+
+def annotate(rows: list[dict]) -> None:
+    """Ratios within one point: against the fastest dense-graphed row, eager dense, and the static OasisKV step."""
+    def best(kind):
+        times = [r["ms/step (median)"] for r in rows if r.get("kind") == kind and "ms/step (median)" in r]
+        return min(times) if times else None
+
+    graphed, eager = best("dense-graphed"), best("dense-eager")
+    static = next((r["ms/step (median)"] for r in rows if r.get("kind") == "oasis-static" and "ms/step (median)" in r),
+                  None)
+    for row in rows:
+        if "ms/step (median)" not in row:
+            continue
+        ms = row["ms_per_step"] = row["ms/step (median)"]
+        if graphed:
+            row["speed-up vs dense graphed"] = graphed / ms
+        if eager:
+            row["vs dense eager"] = eager / ms
+        if static and row.get("kind", "").startswith("oasis"):
+            row["step vs static"] = ms / static
+
+
+def report(args, shape: dict, bandwidth: float, rows: list[dict], final: bool = False) -> str:
+    env = environment()
+    precision = ("bf16" if args.device.startswith("cuda")
+                 else "fp32, a CPU smoke run (no graphs, no timing worth reading)")
+    header = (f"Test configuration: {env.get('gpu')}, torch {env['torch']}, transformers {env['transformers']}, triton "
+              f"{env['triton']}; random-weight {args.shape} shape ({shape['num_hidden_layers']} layers, "
+              f"{shape['num_key_value_heads']} KV heads), {precision}; KV filled with random values (no prefill "
+              "forward); "
+              f"OasisKV budget {args.budget} tokens (blocks of 32, library defaults otherwise); device-to-device copy "
+              f"bandwidth {bandwidth / 1e12:.2f} TB/s measured in this run; medians of {args.repeats} steps after "
+              f"{args.warmup}; `{env['command']}`\n\n")
+    table = header + markdown_table(rows, [c for c in COLUMNS if any(c in r for r in rows)])
+    profiles = [r for r in rows if "profile" in r]
+    if profiles:
+        table += "\n\nGPU time per layer-step by kernel family (torch.profiler, 5 replays; us, kernels):\n\n"
+        labels = [label for label, _ in FAMILIES if any(label in r["profile"] for r in profiles)]
+        names = [f"{r['kind']} {r['batch']}x{r['context']}" for r in profiles]
+        lines = ["| family | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        for label in labels:
+            cells = [_profile_cell(r["profile"].get(label)) for r in profiles]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        totals = [sum(v["us per layer-step"] for v in r["profile"].values()) for r in profiles]
+        lines.append("| total GPU time | " + " | ".join(f"{t:.1f}" for t in totals) + " |")
+        table += "\n".join(lines)
+    if args.out is not None:
+        payload = {"env": env, "config": vars(args) | {"out": str(args.out)}, "shape": shape,
+                   "hbm_bytes_per_s": bandwidth, "rows": rows}
+        write_results(args.out, payload, table)
+        if final:
+            plot_floor(payload, args.out)
+    return table
+
+
+def _profile_cell(entry: dict | None) -> str:
+    return "" if entry is None else f"{entry['us per layer-step']:.1f} ({entry['kernels per layer-step']:.1f})"
+
+
+def plot_floor(payload: dict, path: Path) -> Path | None:
+    """Two panels: ms/step against batch at the most common context, and against context at batch 1; one line per
+    kind (dense graphed, OasisKV, floors)."""
+    plt = pyplot_or_none()
+    if plt is None:
+        return None
+    rows = [r for r in payload["rows"] if "ms_per_step" in r]
+    if not rows:
+        return None
+    contexts = [r["context"] for r in rows]
+    common = max(set(contexts), key=contexts.count)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    panels = [(axes[0], "batch", lambda r: r["context"] == common, f"context {common}"),
+              (axes[1], "context", lambda r: r["batch"] == 1, "batch 1")]
+    for ax, x_key, keep, title in panels:
+        for method in dict.fromkeys(r["method"] for r in rows):
+            pts = sorted((r[x_key], r["ms_per_step"]) for r in rows if r["method"] == method and keep(r))
+            if not pts:
+                continue
+            style = ":" if method.startswith("floor") else ("--" if method.startswith("dense") else "-")
+            ax.plot(*zip(*pts, strict=True), style, marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(x_key)
+        ax.set_ylabel("ms per decode step (median)")
+        ax.set_title(f"{payload['env'].get('gpu')}, {title}", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    return save_figure(fig, plt, result_path(path, ".png"))
+
+
+def main() -> None:
+    code_identity()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
+    parser.add_argument("--points", nargs="+", default=["8x32512", "1x130560", "16x32512"],
+                        help="BATCHxCONTEXT points, each run with all its rows in this process")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--dense-kernels", nargs="+", choices=["sdpa", "triton"], default=["sdpa", "triton"])
+    parser.add_argument("--compile-points", nargs="*", default=["8x32512"],
+                        help="points that also run dense-compile (it compiles for a minute or more)")
+    parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--delta-rate", type=Path, default=None,
+                        help="eval.delta_rate JSON: its drafted rows' blocks per (seq, head, forward) become the cap "
+                             "of the oasis-lookahead-real row")
+    parser.add_argument("--check-context", type=int, default=4096,
+                        help="context of the dense-graphed logit check against eager dense attention")
+    parser.add_argument("--host-gib", type=float, default=100.0, help="pinned host memory OasisKV may use")
+    parser.add_argument("--profile", action="store_true", help="kernel-family tables for the static and lookahead rows")
+    parser.add_argument("--profile-points", nargs="*", default=["8x32512", "1x130560"])
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu: a smoke run of the plumbing (tiny shape; nothing captured, nothing to measure)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    oasis_hf.register()
+    shape = SHAPES[args.shape]
+    on_gpu = args.device.startswith("cuda")
+    model = build_model(shape, args.device, torch.bfloat16 if on_gpu else torch.float32)
+    bandwidth = hbm_bandwidth(args.device, 4 * GIB if on_gpu else 2**26)
+    logger.info("device-to-device copy bandwidth %.2f TB/s", bandwidth / 1e12)
+    rate = delta_rate(args.delta_rate)
+    pool = PinnedPool()
+    rows: list[dict] = []
+    for text in args.points:
+        batch, context = parse_point(text)
+        need = batch * (context + 64) * kv_bytes_per_token(model)
+        if need > args.host_gib * GIB:
+            logger.warning("%s: OasisKV's host store needs %.0f GiB > --host-gib", text, need / GIB)
+        rows.extend(run_point(model, args, batch, context, bandwidth, pool, rate))
+        print(report(args, shape, bandwidth, rows), flush=True)
+        pool.clear()
+    print(report(args, shape, bandwidth, rows, final=True))
+
+
+if __name__ == "__main__":
+    main()

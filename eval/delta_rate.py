@@ -1,0 +1,97 @@
+"""How many blocks OasisKV's lookahead moves per layer-step on a real model: the delta rate the decode benchmark
+replays on random-weight shapes (whose random attention moves the `max_fetch_blocks` cap every step).
+
+    python -m eval.delta_rate --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
+        --context 16384 --tasks recall_list qa --new-tokens 64 --out eval/results/delta_rate_qwen1.5b_16k
+
+Each prompt (a task of the RULER-style suite, `oasis_hf.tasks.ruler`) is decoded greedily with the lookahead
+selector under the decode benchmark's OasisKV configuration (the library defaults, budget 2048), twice: plain
+decoding (one token per forward: the previous query scores) and `oasis_hf.speculative_generate` with the draft
+model (the target's queries at the draft positions score). Reported per row: blocks fetched per (sequence, KV head)
+and forward, per generated token, and the share of the budget's selected slots that changes per forward. A count,
+not a time: it holds on any device (a CPU run in float32 picks what a bf16 GPU run picks up to near-ties).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+import oasis_hf
+from eval._common import code_identity, finish, markdown_table
+from oasis_hf import models
+from oasis_hf.tasks import ruler
+
+logger = logging.getLogger("eval.delta_rate")
+
+COLUMNS = ["task", "method", "context", "new tokens", "forwards", "blocks/(seq, head, forward)",
+           "blocks/(seq, head, token)", "selected slots changed/forward", "draft acceptance", "seconds"]
+
+
+@torch.inference_mode()
+def measure(model, draft, input_ids, config: oasis_hf.OasisConfig, new_tokens: int, drafted: bool) -> dict:
+    """Decode `new_tokens` with a fresh OasisCache of `config`; the fetch counters per forward and per token."""
+    with oasis_hf.OasisCache(model.config, config) as cache:
+        t0 = time.perf_counter()
+        if drafted:
+            out = oasis_hf.speculative_generate(model, draft, input_ids, cache=cache, max_new_tokens=new_tokens,
+                                                num_draft_tokens=4)
+            acceptance = out.stats.acceptance
+        else:
+            model.generate(input_ids, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False,
+                           min_new_tokens=new_tokens)
+            acceptance = None
+        seconds = time.perf_counter() - t0
+        stats = cache.stats.summary()
+        layer = cache.oasis_layers[0]
+        pairs = layer.batch_size * layer.num_kv_heads
+    forwards = stats["decode_layer_steps"] / len(cache.oasis_layers)
+    per_forward = stats["fetched_blocks_per_layer_step"] / pairs
+    selected = config.budget_blocks - config.sink_blocks - config.recent_blocks
+    return {"forwards": forwards, "blocks/(seq, head, forward)": per_forward,
+            "blocks/(seq, head, token)": per_forward * forwards / new_tokens,
+            "selected slots changed/forward": per_forward / selected, "draft acceptance": acceptance,
+            "seconds": seconds}
+
+
+def main() -> None:
+    code_identity()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--context", type=int, default=16384)
+    parser.add_argument("--tasks", nargs="+", default=["recall_list", "qa"], choices=sorted(ruler.TASKS))
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model, tokenizer = models.load(args.model, device=args.device, dtype=dtype)
+    draft = models.load(args.draft, device=args.device, dtype=dtype)[0]
+    oasis_hf.enable(model)
+    config = oasis_hf.OasisConfig(budget_tokens=args.budget, selector="lookahead")
+    rows = []
+    for task in args.tasks:
+        sample = ruler.generate(task, args.context, 1, tokenizer)[0]
+        input_ids = tokenizer(sample["input"], return_tensors="pt")["input_ids"].to(args.device)
+        for drafted in (False, True):
+            method = "lookahead, draft model (speculative_generate)" if drafted else "lookahead, plain decoding"
+            logger.info("%s: %s ...", task, method)
+            row = {"task": task, "method": method, "context": input_ids.shape[1], "new tokens": args.new_tokens}
+            row.update(measure(model, draft, input_ids, config, args.new_tokens, drafted))
+            rows.append(row)
+            logger.info("%s", row)
+    table = (f"Blocks moved by the lookahead selector, {args.model} with draft {args.draft} ({dtype}, "
+             f"{args.device}), OasisConfig(budget_tokens={args.budget}, selector='lookahead'), library defaults "
+             f"otherwise\n\n" + markdown_table(rows, COLUMNS))
+    finish(args, table, {"oasis_config": config.to_dict(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

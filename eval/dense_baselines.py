@@ -1,0 +1,319 @@
+"""The dense decodes every OasisKV speed figure is compared with, and the byte floor of a decode step.
+
+- ``dense-graphed``: the fastest dense decode we can build inside transformers. Preallocated K/V buffers per layer,
+  an attention function (registered with `AttentionInterface`, the model runs with ``use_cache=False``) that writes
+  the step's K/V at its position and attends over the valid prefix, and the whole forward captured once in a
+  `torch.cuda.CUDAGraph` and replayed. Two attention kernels: SDPA with ``enable_gqa=True`` over
+  ``k[:, :, :n]`` (no mask, no ``repeat_kv``), and our Triton split-K kernel over every block of the buffer (a paged
+  decode kernel reading the length from device memory). A replay decodes one token at the captured position (the
+  step's cost at that context; the benchmark replays it, writing the same position). Its logits are checked against
+  eager dense attention over the same K/V (`check_dense_graphed`).
+- ``dense-eager``: transformers' `DynamicCache` with SDPA, one eager forward per step (``torch.cat`` every step).
+- ``dense-compile``: transformers' recipe, a `StaticCache` and ``torch.compile(model.forward,
+  mode="reduce-overhead")`` (SDPA over the whole static buffer with a mask).
+- ``floor``: (the bytes a step must read) / (the device-to-device copy bandwidth measured in the same process):
+  every weight except the input embedding table (B rows of it), plus the K/V the step attends over; for OasisKV the
+  resident budget and, for the selectors that score, one read of the block summaries.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, DynamicCache, StaticCache
+from transformers.masking_utils import AttentionMaskInterface
+
+from eval._common import median, percentile, time_steps
+from oasis_hf import _compat
+from oasis_hf.kernels import sparse_attention, sparse_attention_ref, use_triton
+
+logger = logging.getLogger("eval.dense_baselines")
+
+GIB = 2**30
+PREFIX_ATTENTION = "bench_dense_prefix"
+#: Dense-graphed attention kernels: SDPA over the valid prefix, or our Triton split-K kernel over all blocks.
+KERNELS = ("sdpa", "triton")
+
+
+def hbm_bandwidth(device, nbytes: int = 4 * GIB, repeats: int = 10) -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted), median of `repeats` (CUDA events;
+    on the CPU a host clock, for smoke runs)."""
+    device = torch.device(device)
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()  # `nbytes` bytes
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 2):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+    del src, dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return 2 * nbytes / median(times[2:])
+
+
+def weight_bytes(model, batch: int) -> int:
+    """Parameter bytes one decode step reads: all of them, the input embedding table counted for its `batch` rows."""
+    embed = model.get_input_embeddings().weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is embed
+    if tied:  # the LM head reads the whole table anyway
+        return total
+    return total - embed.numel() * embed.element_size() + batch * embed.shape[1] * embed.element_size()
+
+
+def kv_bytes_per_token(model) -> int:
+    """K and V bytes of one token over all layers."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    elem = next(model.parameters()).element_size()
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem
+
+
+def floor_ms(model, batch: int, kv_tokens: int, bandwidth: float, extra_bytes: int = 0) -> float:
+    """Milliseconds to read the weights, `kv_tokens` tokens of K/V per sequence and `extra_bytes` at `bandwidth`."""
+    nbytes = weight_bytes(model, batch) + batch * kv_tokens * kv_bytes_per_token(model) + extra_bytes
+    return nbytes / bandwidth * 1e3
+
+
+class PrefixDecode:
+    """Preallocated K/V for `batch` x `capacity` tokens per layer and the attention function that uses them.
+
+    The model runs with ``use_cache=False``: its attention modules call `attention` with the step's (B, H, T, D)
+    queries and K/V; the function writes the K/V at `position` (a device tensor) and attends over the first
+    `valid` positions (a Python int, fixed when the forward is captured).
+    """
+
+    def __init__(self, model, batch: int, capacity: int, kernel: str = "sdpa", block_size: int = 32) -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown dense kernel {kernel!r}; choose one of {KERNELS}")
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        param = next(model.parameters())
+        capacity = -(-capacity // block_size) * block_size
+        shape = (batch, cfg.num_key_value_heads, capacity, head_dim)
+        self.keys = [torch.empty(shape, dtype=param.dtype, device=param.device) for _ in range(cfg.num_hidden_layers)]
+        self.values = [torch.empty_like(k) for k in self.keys]
+        self.kernel, self.block_size = kernel, block_size
+        self.position = torch.zeros(1, dtype=torch.long, device=param.device)
+        self.length = torch.zeros((), dtype=torch.long, device=param.device)  # valid tokens, for the Triton kernel
+        self.valid = 0
+        blocks = capacity // block_size
+        self.slot_block = torch.arange(blocks, device=param.device).expand(batch, cfg.num_key_value_heads, -1)
+        self.kv_start = torch.zeros(batch, dtype=torch.long, device=param.device)
+        AttentionInterface.register(PREFIX_ATTENTION, self.attention)
+        AttentionMaskInterface.register(PREFIX_ATTENTION, _compat.flash_attention_mask)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(2 * k.numel() * k.element_size() for k in self.keys)
+
+    def fill_random(self, tokens: int, seed: int = 0) -> None:
+        """Random K/V at positions ``0 .. tokens - 1`` of every layer."""
+        gen = torch.Generator(device=self.keys[0].device).manual_seed(seed)
+        for k, v in zip(self.keys, self.values, strict=True):
+            k[:, :, :tokens].normal_(generator=gen)
+            v[:, :, :tokens].normal_(generator=gen)
+
+    def set_step(self, position: int) -> None:
+        """The next forward decodes the token at `position` (attends over ``position + 1`` tokens)."""
+        self.position.fill_(position)
+        self.length.fill_(position + 1)
+        self.valid = position + 1
+
+    def attention(self, module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+        if query.shape[2] != 1:
+            raise ValueError(f"{PREFIX_ATTENTION} decodes one token per forward, got {query.shape[2]}")
+        layer = module.layer_idx
+        keys, values = self.keys[layer], self.values[layer]
+        keys.index_copy_(2, self.position, key)
+        values.index_copy_(2, self.position, value)
+        if self.kernel == "sdpa":
+            n = self.valid
+            out = F.scaled_dot_product_attention(query, keys[:, :, :n], values[:, :, :n], scale=scaling,
+                                                 enable_gqa=True)
+            return out.transpose(1, 2), None
+        batch, heads, capacity, head_dim = keys.shape
+        pool = (batch, heads, capacity // self.block_size, self.block_size, head_dim)
+        attend = sparse_attention if use_triton(query, "auto") else sparse_attention_ref  # the twin on the CPU
+        out = attend(query, keys.view(pool), values.view(pool), self.slot_block, self.length, self.kv_start,
+                     scaling if scaling is not None else head_dim**-0.5)
+        return out, None
+
+
+@torch.inference_mode()
+def forward_prefix(model, decode: PrefixDecode, token: torch.Tensor) -> torch.Tensor:
+    """One dense decode forward of `token` (B, 1) at `decode`'s position; (B, V) logits."""
+    position = torch.full_like(token, decode.valid - 1)
+    return model(input_ids=token, position_ids=position, use_cache=False, logits_to_keep=1).logits[:, -1]
+
+
+class _Eager:
+    """A stand-in for a captured graph on the CPU (smoke runs): `replay` runs the function again."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def replay(self):
+        return self.fn()
+
+
+def _graph(fn, device: torch.device):
+    """Warm `fn` up on a side stream, capture it in a CUDA graph; returns (graph, its output). On the CPU the
+    function itself stands in (no capture)."""
+    if device.type != "cuda":
+        return _Eager(fn), fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+@torch.inference_mode()
+def dense_graphed_row(model, batch: int, context: int, warmup: int, repeats: int, kernel: str = "sdpa") -> dict:
+    """Time the dense-graphed decode step at `context` tokens (random K/V)."""
+    previous = model.config._attn_implementation
+    decode = PrefixDecode(model, batch, context + 1, kernel)  # registers its attention function
+    model.set_attn_implementation(PREFIX_ATTENTION)
+    try:
+        decode.fill_random(context)
+        decode.set_step(context)
+        token = torch.randint(0, model.config.vocab_size, (batch, 1), device=decode.position.device)
+        graph, _ = _graph(lambda: forward_prefix(model, decode, token), token.device)
+        enqueue: list[float] = []
+        times = time_steps(graph.replay, warmup, repeats, enqueue)
+        row = {"method": f"dense graphed ({kernel})", "kind": "dense-graphed", "context": context, "batch": batch,
+               "ms/step (median)": median(times), "ms/step (p90)": percentile(times, 0.9),
+               "tokens/s": batch * 1e3 / median(times), "host enqueue ms/step": median(enqueue),
+               "GPU KV MiB/seq": decode.nbytes / batch / 2**20, "host MiB/seq": 0.0, "raw_ms": times}
+        return row
+    finally:
+        model.set_attn_implementation(previous)
+        _empty_cache()
+
+
+@torch.inference_mode()
+def check_dense_graphed(model, batch: int, context: int, kernel: str = "sdpa") -> dict:
+    """Logits of a graphed dense step against an eager SDPA forward over a `DynamicCache` holding the same K/V."""
+    previous = model.config._attn_implementation
+    decode = PrefixDecode(model, batch, context + 1, kernel)  # registers its attention function
+    model.set_attn_implementation(PREFIX_ATTENTION)
+    try:
+        decode.fill_random(context, seed=1)
+        decode.set_step(context)
+        token = torch.randint(0, model.config.vocab_size, (batch, 1), device=decode.position.device)
+        graph, out = _graph(lambda: forward_prefix(model, decode, token), token.device)
+        if token.device.type == "cuda":
+            graph.replay()  # the captured output buffer now holds this replay's logits
+        else:
+            out = graph.replay()
+        graphed = out.float().clone()
+        model.set_attn_implementation("sdpa")
+        cache = DynamicCache(config=model.config)
+        for idx, (k, v) in enumerate(zip(decode.keys, decode.values, strict=True)):
+            cache.update(k[:, :, :context].clone(), v[:, :, :context].clone(), idx)
+        eager = model(input_ids=token, position_ids=torch.full_like(token, context), use_cache=True,
+                      logits_to_keep=1, **{_compat.cache_kwarg(model): cache}).logits[:, -1].float()
+        diff = (graphed - eager).abs().max().item()
+        return {"context": context, "batch": batch, "kernel": kernel, "max abs logit diff": diff,
+                "max abs logit": eager.abs().max().item(),
+                "same argmax": bool((graphed.argmax(-1) == eager.argmax(-1)).all())}
+    finally:
+        model.set_attn_implementation(previous)
+        _empty_cache()
+
+
+def _empty_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def fill_cache(model, cache, batch: int, context: int, seed: int = 0) -> None:
+    """Random K/V for `context` tokens in every layer of a transformers cache (positions passed for 5.17's
+    `StaticCache`, which writes at ``cache_kwargs["cache_position"]``)."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    param = next(model.parameters())
+    gen = torch.Generator(device=param.device).manual_seed(seed)
+    positions = torch.arange(context, device=param.device)
+    for idx in range(cfg.num_hidden_layers):
+        shape = (batch, cfg.num_key_value_heads, context, head_dim)
+        k = torch.randn(shape, generator=gen, dtype=param.dtype, device=param.device)
+        v = torch.randn(shape, generator=gen, dtype=param.dtype, device=param.device)
+        cache.update(k, v, idx, {"cache_position": positions})
+        del k, v
+
+
+@torch.inference_mode()
+def dense_eager_row(model, batch: int, context: int, warmup: int, repeats: int) -> dict:
+    """transformers' eager decode: `DynamicCache`, SDPA, one forward per step."""
+    model.set_attn_implementation("sdpa")
+    cache = DynamicCache(config=model.config)
+    fill_cache(model, cache, batch, context)
+    token = torch.randint(0, model.config.vocab_size, (batch, 1), device=next(model.parameters()).device)
+    kwarg = _compat.cache_kwarg(model)
+
+    def step():
+        nonlocal token
+        pos = torch.full_like(token, cache.get_seq_length())
+        logits = model(input_ids=token, position_ids=pos, use_cache=True, logits_to_keep=1, **{kwarg: cache}).logits
+        token = logits[:, -1:].argmax(-1)
+
+    enqueue: list[float] = []
+    times = time_steps(step, warmup, repeats, enqueue)
+    kv = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in cache.layers)
+    return {"method": "dense eager (DynamicCache, sdpa)", "kind": "dense-eager", "context": context, "batch": batch,
+            "ms/step (median)": median(times), "ms/step (p90)": percentile(times, 0.9),
+            "tokens/s": batch * 1e3 / median(times), "host enqueue ms/step": median(enqueue),
+            "GPU KV MiB/seq": kv / batch / 2**20, "host MiB/seq": 0.0, "raw_ms": times}
+
+
+@torch.inference_mode()
+def dense_compile_row(model, batch: int, context: int, warmup: int, repeats: int) -> dict:
+    """transformers' compile recipe: `StaticCache` + ``torch.compile(model.forward, mode="reduce-overhead")``."""
+    model.set_attn_implementation("sdpa")
+    device = next(model.parameters()).device
+    cache = StaticCache(config=model.config, max_cache_len=context + warmup + repeats + 8)
+    fill_cache(model, cache, batch, context)
+    compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    kwarg = _compat.cache_kwarg(model)
+    token = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
+    position = [context]
+
+    def step():
+        nonlocal token
+        pos = torch.full_like(token, position[0])
+        logits = compiled(input_ids=token, position_ids=pos, cache_position=pos[0], use_cache=True,
+                          logits_to_keep=1, **{kwarg: cache}).logits
+        token = logits[:, -1:].argmax(-1).clone()
+        position[0] += 1
+
+    t0 = time.perf_counter()
+    step()  # compiles
+    compile_s = time.perf_counter() - t0
+    enqueue: list[float] = []
+    times = time_steps(step, warmup, repeats, enqueue)
+    kv = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in cache.layers)
+    torch.compiler.reset()
+    return {"method": "dense compile (StaticCache + torch.compile reduce-overhead)", "kind": "dense-compile",
+            "context": context, "batch": batch, "ms/step (median)": median(times),
+            "ms/step (p90)": percentile(times, 0.9), "tokens/s": batch * 1e3 / median(times),
+            "host enqueue ms/step": median(enqueue), "GPU KV MiB/seq": kv / batch / 2**20, "host MiB/seq": 0.0,
+            "compile s": compile_s, "raw_ms": times}
