@@ -18,7 +18,8 @@ runs all of its rows in this one process, the K/V filled with random values (no 
   ``oasis-lookahead`` at the real-model rate replays the blocks per layer-step Qwen2.5-Coder-1.5B moved at 16k
   (``--delta-rate``, from `eval.delta_rate`) as the cap.
 
-With ``--profile``, the OasisKV rows of the profiled points also get a kernel-family table (torch.profiler over
+With ``--profile``, the OasisKV static and lookahead rows and the graphed dense row of the profiled points also get a
+kernel-family table (torch.profiler over
 replays: microseconds of GPU time per layer-step by family). Writes ``<out>.json`` (rows of ``method, kind, batch,
 context, ms_per_step`` plus the measurements), ``<out>.md`` and ``<out>.png``.
 """
@@ -105,14 +106,18 @@ def profile_families(step, layers: int, replays: int = 5) -> dict:
         torch.cuda.synchronize()
     time_us: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
+    kernels: dict[str, float] = defaultdict(float)
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
             label = family(event.name)
             time_us[label] += event.device_time
             count[label] += 1
+            kernels[event.name] += event.device_time
     per = replays * layers
-    return {label: {"us per layer-step": time_us[label] / per, "kernels per layer-step": count[label] / per}
-            for label, _ in FAMILIES if label in time_us}
+    table = {label: {"us per layer-step": time_us[label] / per, "kernels per layer-step": count[label] / per}
+             for label, _ in FAMILIES if label in time_us}
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    return {"families": table, "top kernels (us per layer-step)": {name[:120]: t / per for name, t in top}}
 
 
 @torch.inference_mode()
@@ -189,7 +194,11 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
                 rows.append({"method": f"dense graphed ({kernel})", "kind": "dense-graphed", "batch": batch,
                              "context": context, "note": dense_skip})
                 continue
-            row = attempt(lambda k=kernel: dense_graphed_row(model, batch, context, args.warmup, args.repeats, k),
+            profile = None
+            if args.profile and point in args.profile_points and kernel == "sdpa" and torch.cuda.is_available():
+                profile = lambda step: profile_families(step, model.config.num_hidden_layers)  # noqa: E731
+            row = attempt(lambda k=kernel, p=profile: dense_graphed_row(model, batch, context, args.warmup,
+                                                                        args.repeats, k, p),
                           f"dense graphed ({kernel})", "dense-graphed")
             row["logit check"] = check_dense_graphed(model, batch, min(context, args.check_context), kernel)
             logger.info("  check: %s", row["logit check"])
@@ -265,13 +274,13 @@ def report(args, shape: dict, bandwidth: float, rows: list[dict], final: bool = 
     profiles = [r for r in rows if "profile" in r]
     if profiles:
         table += "\n\nGPU time per layer-step by kernel family (torch.profiler, 5 replays; us, kernels):\n\n"
-        labels = [label for label, _ in FAMILIES if any(label in r["profile"] for r in profiles)]
+        labels = [label for label, _ in FAMILIES if any(label in r["profile"]["families"] for r in profiles)]
         names = [f"{r['kind']} {r['batch']}x{r['context']}" for r in profiles]
         lines = ["| family | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
         for label in labels:
-            cells = [_profile_cell(r["profile"].get(label)) for r in profiles]
+            cells = [_profile_cell(r["profile"]["families"].get(label)) for r in profiles]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
-        totals = [sum(v["us per layer-step"] for v in r["profile"].values()) for r in profiles]
+        totals = [sum(v["us per layer-step"] for v in r["profile"]["families"].values()) for r in profiles]
         lines.append("| total GPU time | " + " | ".join(f"{t:.1f}" for t in totals) + " |")
         table += "\n".join(lines)
     if args.out is not None:

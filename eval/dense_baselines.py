@@ -187,8 +187,10 @@ def _graph(fn, device: torch.device):
 
 
 @torch.inference_mode()
-def dense_graphed_row(model, batch: int, context: int, warmup: int, repeats: int, kernel: str = "sdpa") -> dict:
-    """Time the dense-graphed decode step at `context` tokens (random K/V)."""
+def dense_graphed_row(model, batch: int, context: int, warmup: int, repeats: int, kernel: str = "sdpa",
+                      profile=None) -> dict:
+    """Time the dense-graphed decode step at `context` tokens (random K/V); ``profile(step)``, when given, returns
+    what the row records under ``"profile"`` (e.g. a kernel-family table of a few replays)."""
     previous = model.config._attn_implementation
     decode = PrefixDecode(model, batch, context + 1, kernel)  # registers its attention function
     model.set_attn_implementation(PREFIX_ATTENTION)
@@ -203,6 +205,8 @@ def dense_graphed_row(model, batch: int, context: int, warmup: int, repeats: int
                "ms/step (median)": median(times), "ms/step (p90)": percentile(times, 0.9),
                "tokens/s": batch * 1e3 / median(times), "host enqueue ms/step": median(enqueue),
                "GPU KV MiB/seq": decode.nbytes / batch / 2**20, "host MiB/seq": 0.0, "raw_ms": times}
+        if profile is not None:
+            row["profile"] = profile(graph.replay)
         return row
     finally:
         model.set_attn_implementation(previous)

@@ -225,7 +225,8 @@ def test_registration_is_explicit():
 @pytest.mark.parametrize(("selector", "summary"), [("current-query", "minmax"), ("lookahead", "mean+minmax")])
 def test_triton_backend_inside_generate(selector, summary):
     """The fused decode step (append_tokens, score_blocks, plan_blocks, gather_blocks, sparse attention with its
-    merge) on the Triton kernels gives the twins' tokens and fetches, under real selection (8 slots)."""
+    merge) on the Triton kernels gives the twins' tokens and fetches under real selection (8 slots), and dense
+    attention's tokens when the budget covers the context."""
     from oasis_hf.kernels import INTERPRET, TRITON_AVAILABLE
 
     if not (TRITON_AVAILABLE and (INTERPRET or torch.cuda.is_available())):
@@ -233,8 +234,9 @@ def test_triton_backend_inside_generate(selector, summary):
     dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
     model = tiny_model("qwen2", attn="oasis", device=dev)
     ids, mask = left_padded([90, 70])
-    # Jobs inline: Triton's interpreter cannot run kernels from two threads (the cache refuses it, tested below).
-    small = dict(budget_tokens=128, max_fetch_blocks=2, selector=selector, summary=summary, prefetch=False)
+    # 6 slots for 8 blocks (114 tokens): evictions and fetches. Jobs inline: Triton's interpreter cannot run kernels
+    # from two threads (the cache refuses it, tested below).
+    small = dict(budget_tokens=96, max_fetch_blocks=2, selector=selector, summary=summary, prefetch=False)
     fetched = []
     outs = []
     for backend in ("torch", "triton"):
@@ -242,7 +244,12 @@ def test_triton_backend_inside_generate(selector, summary):
             outs.append(generate(model, ids.to(dev), mask.to(dev), cache))
             fetched.append(cache.stats.summary()["fetched_blocks"])
     assert torch.equal(outs[1], outs[0])
-    assert fetched[1] == fetched[0]
+    assert fetched[1] == fetched[0] > 0
+    if selector == "current-query":  # a budget covering the context: the fused step gives dense attention's tokens
+        dense = tiny_model("qwen2", device=dev)
+        ref = generate(dense, ids.to(dev), mask.to(dev), DynamicCache(config=dense.config))
+        with oasis_cache(model, kernel_backend="triton", summary=summary, prefetch=False, budget_tokens=128) as cache:
+            assert torch.equal(generate(model, ids.to(dev), mask.to(dev), cache), ref)
     if INTERPRET and selector == "lookahead":
         with oasis_cache(model, kernel_backend="triton", **dict(small, prefetch=True)) as cache:
             with pytest.raises(UnsupportedError, match="prefetch=False"):

@@ -666,4 +666,4 @@ def test_plan_blocks_kernel_scales_to_long_tables():
         for k, r in zip(out_k, out_r, strict=True):
             assert torch.equal(k, r)
         for k, r in zip(copies, tables, strict=True):
-            assert torch.equal(k, r)
+            assert torch.equal(k[..., :-1], r[..., :-1])  # the twin's masked writes land in the trash column

@@ -10,6 +10,8 @@ and capped like `copy_rows`, so a background fetch leaves most SMs to the decode
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from oasis_hf.kernels.copy_rows import _TILE_ELEMS
@@ -69,6 +71,13 @@ if triton is not None:
             tl.store(DST_V + dst[:, None] + cols[None, :], v, mask=mask)
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2  # the interpreter: a small persistent grid still loops over every entry
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _check(src_k, src_v, dst_k, dst_v, blocks, slots, valid) -> None:
     if not (src_k.dtype == src_v.dtype == dst_k.dtype == dst_v.dtype):
         raise ValueError("gather_blocks: the four K/V tensors must share one dtype")
@@ -108,7 +117,8 @@ def gather_blocks(
     blocks, slots : (B, H_kv, N) int64; valid : (B, H_kv, N) bool — a plan: entries not valid, or whose block is
         outside this segment, are skipped. Contiguous, on the pool's device.
     first_block : the segment's first logical block.
-    max_programs : int | None — most programs along the entries (see `copy_rows`); None: one per tile of entries.
+    max_programs : int | None — most programs along the entries (see `copy_rows`); None: two per SM, each looping
+        over its share.
 
     Enqueued on the current CUDA stream; no host synchronisation, capturable.
     """
@@ -126,9 +136,9 @@ def gather_blocks(
     row = src_k.shape[3] * src_k.shape[4]
     block = min(triton.next_power_of_2(row), _TILE_ELEMS // 2)  # K and V tiles in flight together
     rows = max(2, min(_TILE_ELEMS // 2 // block, triton.next_power_of_2(entries)))
-    programs = triton.cdiv(entries, rows)
-    if max_programs is not None:
-        programs = min(programs, max_programs)
+    # Persistent programs: a plan holds every slot's entry (B * H_kv * S), most of them invalid in a decode step, so
+    # one program per pair of entries (2,048 at batch 8) spent microseconds launching programs that move nothing.
+    programs = min(triton.cdiv(entries, rows), max_programs or 2 * _sm_count(dst_k.device))
     grid = (programs, triton.cdiv(row, block))
     _gather_blocks_kernel[grid](
         src_k, src_v, dst_k, dst_v, blocks.contiguous(), slots.contiguous(), valid.contiguous().view(torch.int8),
