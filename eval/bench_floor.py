@@ -15,8 +15,9 @@ runs all of its rows in this one process, the K/V filled with random values (no 
 - ``oasis-static``, ``oasis-lookahead``, ``oasis-current-query``: `oasis_hf.DecodeGraph` replays (one CUDA graph per
   step, the lookahead selection jobs forked onto the prefetch stream inside it). Random K/V make every step's
   selection new, so lookahead moves its ``max_fetch_blocks`` cap (16 per sequence, KV head and layer) every step;
-  ``oasis-lookahead`` at the real-model rate replays the blocks per layer-step Qwen2.5-Coder-1.5B moved at 16k
-  (``--delta-rate``, from `eval.delta_rate`) as the cap.
+  ``oasis-lookahead`` at the real-model rate replays, as the cap, the blocks per layer-step Qwen2.5-Coder-1.5B's
+  lookahead moved at 16k in plain decoding (one token per forward, like these steps; ``--delta-rate``, from
+  `eval.delta_rate`, whose drafted rows the note quotes).
 
 With ``--profile``, the OasisKV static and lookahead rows and the graphed dense row of the profiled points also get a
 kernel-family table (torch.profiler over
@@ -82,13 +83,19 @@ def parse_point(text: str) -> tuple[int, int]:
     return int(batch), int(context)
 
 
-def delta_rate(path: Path | None) -> float | None:
-    """The highest blocks per (sequence, KV head) and forward among an `eval.delta_rate` result's drafted rows."""
+def delta_rate(path: Path | None) -> tuple[float | None, str]:
+    """The blocks per (sequence, KV head) and layer-step to replay: the highest of an `eval.delta_rate` result's
+    plain-decoding rows (one token per forward, as the benchmark's steps), and a note with the drafted rows' rate
+    per forward and per token."""
     if path is None:
-        return None
+        return None, ""
     rows = json.loads(Path(path).read_text())["rows"]
-    drafted = [r["blocks/(seq, head, forward)"] for r in rows if "draft model" in r["method"]]
-    return max(drafted) if drafted else None
+    plain = [r["blocks/(seq, head, forward)"] for r in rows if "plain decoding" in r["method"]]
+    drafted = [r for r in rows if "draft model" in r["method"]]
+    note = "".join(f"; with the draft model ({r['task']}): {r['blocks/(seq, head, forward)']:.2f} per forward of "
+                   f"{r['forwards'] and r['new tokens'] / r['forwards']:.1f} tokens, "
+                   f"{r['blocks/(seq, head, token)']:.2f} per token" for r in drafted)
+    return (max(plain) if plain else None), note
 
 
 def family(name: str) -> str:
@@ -161,7 +168,8 @@ def oasis_row(model, kind: str, cfg: oasis_hf.OasisConfig, pool: PinnedPool, bat
     return row
 
 
-def run_point(model, args, batch: int, context: int, bandwidth: float, pool: PinnedPool, rate: float | None) -> list:
+def run_point(model, args, batch: int, context: int, bandwidth: float, pool: PinnedPool, rate: float | None,
+              rate_note: str = "") -> list:
     rows: list[dict] = []
     point = f"{batch}x{context}"
     free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 2**62
@@ -225,7 +233,8 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
             model, kind, cfg, pool, batch, context, args.warmup, args.repeats, profile), method, kind)
         if method == "oasis-lookahead-real":
             row["method"] += f", real-model delta rate ({cfg.max_fetch_blocks} blocks per (seq, head, layer-step))"
-            row["note"] = f"max_fetch_blocks={cfg.max_fetch_blocks}: Qwen2.5-Coder-1.5B's rate at 16k, {rate:.2f}"
+            row["note"] = (f"max_fetch_blocks={cfg.max_fetch_blocks}: Qwen2.5-Coder-1.5B's lookahead moved {rate:.2f} "
+                           f"blocks per (seq, head, layer-step) at 16k in plain decoding{rate_note}")
     # The floor: weights + the K/V each method attends over (+ one read of the summaries for scoring selectors).
     # One mean key per block, layer and KV head: per block the bytes of one token's keys.
     summary_bytes = batch * (-(-context // 32)) * kv_bytes_per_token(model) // 2
@@ -359,7 +368,7 @@ def main() -> None:
     model = build_model(shape, args.device, torch.bfloat16 if on_gpu else torch.float32)
     bandwidth = hbm_bandwidth(args.device, 4 * GIB if on_gpu else 2**26)
     logger.info("device-to-device copy bandwidth %.2f TB/s", bandwidth / 1e12)
-    rate = delta_rate(args.delta_rate)
+    rate, rate_note = delta_rate(args.delta_rate)
     pool = PinnedPool()
     rows: list[dict] = []
     for text in args.points:
@@ -367,7 +376,7 @@ def main() -> None:
         need = batch * (context + 64) * kv_bytes_per_token(model)
         if need > args.host_gib * GIB:
             logger.warning("%s: OasisKV's host store needs %.0f GiB > --host-gib", text, need / GIB)
-        rows.extend(run_point(model, args, batch, context, bandwidth, pool, rate))
+        rows.extend(run_point(model, args, batch, context, bandwidth, pool, rate, rate_note))
         print(report(args, shape, bandwidth, rows), flush=True)
         pool.clear()
     print(report(args, shape, bandwidth, rows, final=True))

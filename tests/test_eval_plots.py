@@ -371,8 +371,10 @@ def test_floor_bench_runs_every_kind_of_row_in_one_process(tmp_path, monkeypatch
     from eval import bench_floor
 
     rate = tmp_path / "rate.json"
-    rate.write_text(json.dumps({"rows": [{"method": "lookahead, draft model (speculative_generate)",
-                                          "blocks/(seq, head, forward)": 2.4}]}))
+    rate.write_text(json.dumps({"rows": [
+        {"task": "qa", "method": "lookahead, plain decoding", "blocks/(seq, head, forward)": 2.4},
+        {"task": "qa", "method": "lookahead, draft model (speculative_generate)", "blocks/(seq, head, forward)": 6.0,
+         "forwards": 4, "new tokens": 16, "blocks/(seq, head, token)": 1.5}]}))
     out = tmp_path / "floor"
     monkeypatch.setattr(sys, "argv", ["bench_floor", "--device", "cpu", "--shape", "tiny", "--points", "2x600",
                                       "--budget", "256", "--warmup", "1", "--repeats", "2", "--dense-kernels", "sdpa",
@@ -387,5 +389,6 @@ def test_floor_bench_runs_every_kind_of_row_in_one_process(tmp_path, monkeypatch
     graphed = next(r for r in rows if r["kind"] == "dense-graphed")
     assert graphed["logit check"]["same argmax"] and graphed["logit check"]["max abs logit diff"] < 1e-4
     real = [r for r in rows if "real-model delta rate" in r["method"]]
-    assert len(real) == 1 and real[0]["max_fetch_blocks"] == 3
+    assert len(real) == 1 and real[0]["max_fetch_blocks"] == 3  # the plain-decoding rate, rounded up
+    assert "6.00 per forward of 4.0 tokens" in real[0]["note"]
     assert out.with_suffix(".md").read_text().count("| floor |") == 2  # the kind column of the two floor rows

@@ -804,7 +804,7 @@ class _JobGraph:
     def __init__(self, layer: OasisLayer, query, start, num_tokens: int, scale: float) -> None:
         device = self.device = layer.device
         self.scale = scale
-        self.graph, _ = _capture(layer, "job", layer.cache._capture_stream(device),
+        self.graph, _ = _capture(layer, "job", layer.cache._capture_stream(device, background=True),
                                  lambda: layer._job(query, start, num_tokens, scale))
 
 

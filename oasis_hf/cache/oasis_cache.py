@@ -25,7 +25,7 @@ from oasis_hf import _compat
 from oasis_hf.cache.host_store import BlockStore, HostKVStore
 from oasis_hf.cache.layer import OasisLayer
 from oasis_hf.cache.pinned import PinnedPool
-from oasis_hf.cache.prefetch import Prefetcher
+from oasis_hf.cache.prefetch import Prefetcher, background_stream
 from oasis_hf.cache.stats import OasisStats
 from oasis_hf.config import OasisConfig
 from oasis_hf.errors import UnsupportedError
@@ -82,7 +82,7 @@ class OasisCache(Cache):
         self.stats = OasisStats()
         self.stats._drain = self.wait
         self._writeback_streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._capture_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._capture_streams: dict[tuple[torch.device, bool], torch.cuda.Stream] = {}
         self._prefetchers: dict[torch.device, Prefetcher] = {}
         self._whole_step = None  # the `oasis_hf.DecodeGraph` whose forward is running (layers take its path)
         self._epoch = 0  # bumped whenever the tables and host segments are reallocated (graphs of them are stale)
@@ -160,16 +160,19 @@ class OasisCache(Cache):
         self.close()
 
     def _writeback_stream(self, device: torch.device) -> torch.cuda.Stream:
-        """The side stream device-to-host write-back runs on (eagerly, and as a forked branch inside graphs)."""
+        """The side stream device-to-host write-back runs on (eagerly, and as a forked branch inside graphs); high
+        priority, so it runs beside the step (`background_stream`)."""
         if device not in self._writeback_streams:
-            self._writeback_streams[device] = torch.cuda.Stream(device)
+            self._writeback_streams[device] = background_stream(device)
         return self._writeback_streams[device]
 
-    def _capture_stream(self, device: torch.device) -> torch.cuda.Stream:
-        """The side stream the decode-step graphs of `device` are warmed up and captured on."""
-        if device not in self._capture_streams:
-            self._capture_streams[device] = torch.cuda.Stream(device)
-        return self._capture_streams[device]
+    def _capture_stream(self, device: torch.device, background: bool = False) -> torch.cuda.Stream:
+        """The side stream the graphs of `device` are warmed up and captured on: decode steps at default priority,
+        selection jobs (`background`) at high priority, which their replays keep (`background_stream`)."""
+        key = (device, background)
+        if key not in self._capture_streams:
+            self._capture_streams[key] = background_stream(device) if background else torch.cuda.Stream(device)
+        return self._capture_streams[key]
 
     def _graph_pool(self, device: torch.device, kind: str):
         """The private memory pool the layers' graphs of `kind` on `device` share: ``"step"`` graphs replay one

@@ -54,6 +54,16 @@ class Ticket:
     run_s: float = 0.0  # host seconds the job took to run (eager work) or to enqueue (CUDA: launches, replays)
 
 
+def background_stream(device: torch.device) -> torch.cuda.Stream:
+    """A CUDA stream of the highest priority for work that must run *beside* the decode step (selection jobs, the
+    delta gather, the host write-back). The step's GEMMs fill every SM; at default priority a job's thread blocks
+    queue behind theirs, so the delta gather ran serially with the step (batch 8, 32k tokens on the H200: 13.5 ms
+    per step for 9.7 without it). PyTorch instantiates CUDA graphs with per-node priorities, so the kernels captured
+    on this stream keep its priority when the graph is replayed."""
+    low, high = torch.cuda.Stream.priority_range()
+    return torch.cuda.Stream(device, priority=min(low, high))
+
+
 class Prefetcher:
     """A worker thread (and, on CUDA, a stream) that runs selection jobs in submission order.
 
@@ -66,7 +76,7 @@ class Prefetcher:
     def __init__(self, device: torch.device, name: str = "oasis-prefetch") -> None:
         self.device = torch.device(device)
         self.name = name
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.stream = background_stream(self.device) if self.device.type == "cuda" else None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None

@@ -133,19 +133,20 @@ if triton is not None:
         O_PART, M_PART, L_PART, OUT,
         stride_ob, stride_ot, stride_oh,
         H_KV: tl.constexpr, GROUP: tl.constexpr, NUM_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr,
     ):  # fmt: skip
         # out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s over the splits s; rows that see no key are zero.
+        # One program per (sequence, KV head) and CHUNK_D head dims: at batch 1 there are only H_kv of the former.
         bh = tl.program_id(0)
         b = bh // H_KV
         h = bh % H_KV
         rows = tl.arange(0, BLOCK_M)
-        dims = tl.arange(0, BLOCK_D)
+        dims = tl.program_id(1) * CHUNK_D + tl.arange(0, CHUNK_D)
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         for s in range(NUM_SPLITS):
             m = tl.maximum(m, tl.load(M_PART + (bh * NUM_SPLITS + s) * BLOCK_M + rows))
         m_safe = tl.where(m == float("-inf"), 0.0, m)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        acc = tl.zeros([BLOCK_M, CHUNK_D], tl.float32)
         denom = tl.zeros([BLOCK_M], tl.float32)
         for s in range(NUM_SPLITS):
             part = (bh * NUM_SPLITS + s) * BLOCK_M + rows
@@ -166,10 +167,11 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _num_splits(batch_heads: int, num_slots: int, device: torch.device) -> int:
+    """About two programs per SM, each over at least 4 slots (more splits cost the merge more than they gain)."""
     if device.type != "cuda":
         return min(2, num_slots)  # interpreter: exercise the merge, keep the grid small
     sms = _sm_count(device)
-    return max(1, min(num_slots, math.ceil(2 * sms / batch_heads)))
+    return max(1, min(math.ceil(num_slots / 4), math.ceil(2 * sms / batch_heads)))
 
 
 def sparse_attention(
@@ -247,9 +249,10 @@ def sparse_attention(
     )  # fmt: skip
 
     out = torch.empty(batch, num_tokens, num_q_heads, head_dim, device=dev, dtype=query.dtype)
-    _merge_splits_kernel[(batch * num_kv_heads,)](
+    chunk_d = min(block_d, 32)
+    _merge_splits_kernel[(batch * num_kv_heads, block_d // chunk_d)](
         o_part, m_part, l_part, out, out.stride(0), out.stride(1), out.stride(2),
-        H_KV=num_kv_heads, GROUP=group, NUM_TOKENS=num_tokens, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
-        NUM_SPLITS=num_splits,
+        H_KV=num_kv_heads, GROUP=group, NUM_TOKENS=num_tokens, HEAD_DIM=head_dim, BLOCK_D=block_d, CHUNK_D=chunk_d,
+        BLOCK_M=block_m, NUM_SPLITS=num_splits,
     )  # fmt: skip
     return out
