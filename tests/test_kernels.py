@@ -409,12 +409,16 @@ def _gather_case(dev, seed, batch=2, heads=3, src_blocks=7, slots=5, bs=4, dim=8
 
 
 @needs_triton
-@pytest.mark.parametrize("max_programs", [None, 1, 3])
-def test_gather_blocks_kernel_matches_twin(max_programs):
+@pytest.mark.parametrize(("max_programs", "rows"), [(None, 6), (1, 6), (3, 6), (3, 1), (5, 2)],
+                         ids=["all-6-rows", "1-program", "3-programs", "3-programs-1-row", "5-programs-2-rows"])
+def test_gather_blocks_kernel_matches_twin(max_programs, rows):
     """A plan (blocks, slots, valid) of a segment that starts at block 3: entries invalid or outside the segment
-    leave the pool untouched; K and V land in the planned slots."""
+    leave the pool untouched; K and V land in the planned slots. With fewer (sequence, head) rows than programs,
+    several programs share a row."""
     dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
-    src_k, src_v, (k1, v1, k2, v2), blocks, slots, valid = _gather_case(dev, max_programs or 0)
+    batch, heads = (2, 3) if rows == 6 else (1, rows)
+    src_k, src_v, (k1, v1, k2, v2), blocks, slots, valid = _gather_case(dev, (max_programs or 0) + rows, batch=batch,
+                                                                       heads=heads, slots=9 if rows < 6 else 5)
     src_k, src_v = src_k.to(dev), src_v.to(dev)
     gather_blocks(src_k, src_v, k1, v1, blocks, slots, valid, 3, max_programs)
     gather_blocks_ref(src_k, src_v, k2, v2, blocks, slots, valid, 3, max_programs)

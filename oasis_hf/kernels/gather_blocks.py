@@ -5,7 +5,9 @@ pool slots.
 launches (K, then V). Here the plan itself is the input, ``blocks``/``slots``/``valid`` (B, H_kv, N) as
 `BlockTable.plan` returns them, and each program computes the offsets of its entries, then moves their K and V rows
 together (twice the bytes in flight per program, which is what hides PCIe latency with few programs). Persistent
-and capped like `copy_rows`, so a background fetch leaves most SMs to the decode step.
+and capped like `copy_rows`, so a background fetch leaves most SMs to the decode step; each (sequence, KV head) row
+of the plan is walked only up to its last valid entry (a plan lists the blocks to move first, a handful of its
+``S`` entries: walking all of them cost the selection job more than the transfer).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ except ImportError:  # pragma: no cover
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["num_entries", "num_per_head", "num_heads", "first_block", "num_src_blocks"])
+    @triton.jit(do_not_specialize=["num_rows", "num_per_head", "num_heads", "first_block", "num_src_blocks",
+                                   "parts"])
     def _gather_blocks_kernel(
         SRC_K,
         SRC_V,
@@ -34,11 +37,12 @@ if triton is not None:
         BLOCKS,
         SLOTS,
         VALID,
-        num_entries,
+        num_rows,
         num_per_head,
         num_heads,
         first_block,
         num_src_blocks,
+        parts,
         src_stride_b,
         src_stride_h,
         dst_stride_b,
@@ -46,29 +50,38 @@ if triton is not None:
         ROW_ELEMS: tl.constexpr,
         ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
+        NP: tl.constexpr,
     ):
+        # Persistent over (row = one (sequence, KV head) of the plan, part) tasks; a task walks its row's entries up to
+        # the last valid one only (a plan lists its valid entries first), `parts` tasks sharing a row when there are
+        # fewer rows than programs (batch 1).
         pid = tl.program_id(0)
         chunk = tl.program_id(1)
-        step = tl.num_programs(0) * ROWS
         cols = chunk * BLOCK + tl.arange(0, BLOCK)
         col_ok = cols < ROW_ELEMS
-        for base in tl.range(pid * ROWS, num_entries, step):
-            entry = base + tl.arange(0, ROWS)
-            in_range = entry < num_entries
-            block = tl.load(BLOCKS + entry, mask=in_range, other=-1)
-            slot = tl.load(SLOTS + entry, mask=in_range, other=0)
-            ok = in_range & (tl.load(VALID + entry, mask=in_range, other=0) != 0)
-            local = block - first_block
-            ok = ok & (local >= 0) & (local < num_src_blocks)
-            bh = (entry // num_per_head).to(tl.int64)
-            b, h = bh // num_heads, bh % num_heads
-            src = b * src_stride_b + h * src_stride_h + local * ROW_ELEMS
-            dst = b * dst_stride_b + h * dst_stride_h + slot * ROW_ELEMS
-            mask = ok[:, None] & col_ok[None, :]
-            k = tl.load(SRC_K + src[:, None] + cols[None, :], mask=mask)
-            v = tl.load(SRC_V + src[:, None] + cols[None, :], mask=mask)
-            tl.store(DST_K + dst[:, None] + cols[None, :], k, mask=mask)
-            tl.store(DST_V + dst[:, None] + cols[None, :], v, mask=mask)
+        j = tl.arange(0, NP)
+        for task in tl.range(pid, num_rows * parts, tl.num_programs(0)):
+            row = (task // parts).to(tl.int64)
+            part = task % parts
+            flags = tl.load(VALID + row * num_per_head + j, mask=j < num_per_head, other=0) != 0
+            end = tl.max(tl.where(flags, j + 1, 0), axis=0)  # one past the row's last valid entry
+            b, h = row // num_heads, row % num_heads
+            for base in tl.range(part * ROWS, end, parts * ROWS):
+                index = base + tl.arange(0, ROWS)
+                in_row = index < end
+                entry = row * num_per_head + index
+                block = tl.load(BLOCKS + entry, mask=in_row, other=-1)
+                slot = tl.load(SLOTS + entry, mask=in_row, other=0)
+                ok = in_row & (tl.load(VALID + entry, mask=in_row, other=0) != 0)
+                local = block - first_block
+                ok = ok & (local >= 0) & (local < num_src_blocks)
+                src = b * src_stride_b + h * src_stride_h + local * ROW_ELEMS
+                dst = b * dst_stride_b + h * dst_stride_h + slot * ROW_ELEMS
+                mask = ok[:, None] & col_ok[None, :]
+                k = tl.load(SRC_K + src[:, None] + cols[None, :], mask=mask)
+                v = tl.load(SRC_V + src[:, None] + cols[None, :], mask=mask)
+                tl.store(DST_K + dst[:, None] + cols[None, :], k, mask=mask)
+                tl.store(DST_V + dst[:, None] + cols[None, :], v, mask=mask)
 
 
 @functools.cache
@@ -130,18 +143,19 @@ def gather_blocks(
             raise ValueError(f"gather_blocks: {name} is pageable host memory, which the GPU cannot address; "
                              "allocate it with pin_memory=True (OasisConfig.pin_host_memory)")
     batch, heads, per_head = blocks.shape
-    entries = batch * heads * per_head
-    if entries == 0:
+    if batch * heads * per_head == 0:
         return
     row = src_k.shape[3] * src_k.shape[4]
     block = min(triton.next_power_of_2(row), _TILE_ELEMS // 2)  # K and V tiles in flight together
-    rows = max(2, min(_TILE_ELEMS // 2 // block, triton.next_power_of_2(entries)))
-    # Persistent programs: a plan holds every slot's entry (B * H_kv * S), most of them invalid in a decode step, so
-    # one program per pair of entries (2,048 at batch 8) spent microseconds launching programs that move nothing.
-    programs = min(triton.cdiv(entries, rows), max_programs or 2 * _sm_count(dst_k.device))
+    rows = max(2, min(_TILE_ELEMS // 2 // block, triton.next_power_of_2(per_head)))
+    num_rows = batch * heads
+    programs = max_programs or 2 * _sm_count(dst_k.device)
+    parts = max(1, min(programs // num_rows, triton.cdiv(per_head, rows)))  # programs sharing a row
+    programs = min(programs, num_rows * parts)
     grid = (programs, triton.cdiv(row, block))
     _gather_blocks_kernel[grid](
         src_k, src_v, dst_k, dst_v, blocks.contiguous(), slots.contiguous(), valid.contiguous().view(torch.int8),
-        entries, per_head, heads, first_block, src_k.shape[2], src_k.stride(0), src_k.stride(1), dst_k.stride(0),
-        dst_k.stride(1), ROW_ELEMS=row, ROWS=rows, BLOCK=block, num_warps=8 if rows * block >= 4096 else 4,
+        num_rows, per_head, heads, first_block, src_k.shape[2], parts, src_k.stride(0), src_k.stride(1),
+        dst_k.stride(0), dst_k.stride(1), ROW_ELEMS=row, ROWS=rows, BLOCK=block,
+        NP=max(2, triton.next_power_of_2(per_head)), num_warps=8 if rows * block >= 4096 else 4,
     )
