@@ -361,10 +361,23 @@ def test_graphed_draft_on_cuda_replays_and_stays_exact(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_lookahead_job_graphs_survive_rejections_at_batch_4():
+def test_lookahead_job_graphs_survive_rejections_at_batch_4(monkeypatch):
     """Batch 4 on CUDA with a random draft (most drafts rejected, so `drop_rejected` narrows eager selection jobs):
     the job graph of each ``T`` is captured after a full-width warm-up and the output stays the target's greedy
-    output (the budget covers the sequences, so OasisKV is exact; the jobs still score, plan and fetch)."""
+    output (the budget covers the sequences, so OasisKV is exact; the jobs still score, plan and fetch). Each eager
+    job waits 50 ms in the worker before it starts, so the crop after its forward finds it unstarted and narrows it
+    (otherwise whether it did depends on the worker thread's timing)."""
+    import time
+
+    from oasis_hf.cache import layer as layer_module
+
+    start_job = layer_module._EagerJob.__call__
+
+    def late(job):
+        time.sleep(0.05)
+        return start_job(job)
+
+    monkeypatch.setattr(layer_module._EagerJob, "__call__", late)
     target = tiny_model("llama", layers=2, attn="oasis", device="cuda")
     ids, mask = left_padded([300, 177, 240, 260], seed=7)
     ids, mask = ids.cuda(), mask.cuda()
