@@ -19,6 +19,8 @@ runs all of its rows in this one process, the K/V filled with random values (no 
   lookahead moved at 16k in plain decoding (one token per forward, like these steps; ``--delta-rate``, from
   `eval.delta_rate`, whose drafted rows the note quotes).
 
+``python -m eval.bench_floor --compare BEFORE.json AFTER.json OUT.md`` sets two runs' profiles side by side.
+
 With ``--profile``, the OasisKV static and lookahead rows and the graphed dense row of the profiled points also get a
 kernel-family table (torch.profiler over
 replays: microseconds of GPU time per layer-step by family). Writes ``<out>.json`` (rows of ``method, kind, batch,
@@ -32,6 +34,7 @@ import json
 import logging
 import math
 import re
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -305,39 +308,83 @@ def _profile_cell(entry: dict | None) -> str:
     return "" if entry is None else f"{entry['us per layer-step']:.1f} ({entry['kernels per layer-step']:.1f})"
 
 
+def _short(method: str) -> str:
+    """A legend label: the method without the decode-path note (and the real-rate row without its cap)."""
+    method = method.replace(" (whole-step graph)", "").replace(" (+ mean-key summaries read once)", "")
+    return method.split(" (")[0] if "real-model" in method else method
+
+
 def plot_floor(payload: dict, path: Path) -> Path | None:
     """Two panels: ms/step against batch at the most common context, and against context at batch 1; one line per
-    kind (dense graphed, OasisKV, floors)."""
+    method, the same colour in both panels (dense dashed, floors dotted)."""
     plt = pyplot_or_none()
     if plt is None:
         return None
-    rows = [r for r in payload["rows"] if "ms_per_step" in r]
+    rows = [r for r in payload["rows"] if "ms_per_step" in r and r.get("kind") != "dense-compile"]
     if not rows:
         return None
     contexts = [r["context"] for r in rows]
     common = max(set(contexts), key=contexts.count)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    colours = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
     panels = [(axes[0], "batch", lambda r: r["context"] == common, f"context {common}"),
               (axes[1], "context", lambda r: r["batch"] == 1, "batch 1")]
     for ax, x_key, keep, title in panels:
-        for method in dict.fromkeys(r["method"] for r in rows):
+        for method in methods:
             pts = sorted((r[x_key], r["ms_per_step"]) for r in rows if r["method"] == method and keep(r))
             if not pts:
                 continue
             style = ":" if method.startswith("floor") else ("--" if method.startswith("dense") else "-")
-            ax.plot(*zip(*pts, strict=True), style, marker="o", label=method)
+            ax.plot(*zip(*pts, strict=True), style, marker="o", color=colours[method], label=_short(method))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel(x_key)
         ax.set_ylabel("ms per decode step (median)")
         ax.set_title(f"{payload['env'].get('gpu')}, {title}", fontsize=9)
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    handles = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    axes[1].legend(list(handles.values()), list(handles), fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     return save_figure(fig, plt, result_path(path, ".png"))
+
+
+def compare_profiles(before: dict, after: dict) -> str:
+    """Markdown: GPU us per layer-step by kernel family (kernels per layer-step), and ms per step, of each profiled
+    OasisKV row of `before` next to the same row (kind, batch, context) of `after`."""
+    def profiled(payload):
+        return {(r["kind"], r["batch"], r["context"]): r for r in payload["rows"]
+                if "profile" in r and r["kind"].startswith("oasis")}
+
+    old, new = profiled(before), profiled(after)
+    keys = [k for k in old if k in new]
+    names = [f"{kind.removeprefix('oasis-')} {batch}x{context} {when}" for kind, batch, context in keys
+             for when in ("before", "after")]
+    lines = ["| family | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    pairs = [(old[k], new[k]) for k in keys]
+    for label, _ in FAMILIES:
+        cells = [_profile_cell(r["profile"]["families"].get(label)) for pair in pairs for r in pair]
+        if any(cells):
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    totals = [sum(v["us per layer-step"] for v in r["profile"]["families"].values()) for pair in pairs for r in pair]
+    lines.append("| total GPU time (us per layer-step) | " + " | ".join(f"{t:.0f}" for t in totals) + " |")
+    steps = [r["ms_per_step"] for pair in pairs for r in pair]
+    lines.append("| **step (ms, median)** | " + " | ".join(f"**{t:.2f}**" for t in steps) + " |")
+    return "\n".join(lines)
 
 
 def main() -> None:
     code_identity()
+    if len(sys.argv) > 1 and sys.argv[1] == "--compare":  # python -m eval.bench_floor --compare BEFORE AFTER OUT.md
+        before, after, out = (Path(a) for a in sys.argv[2:5])
+        table = compare_profiles(json.loads(before.read_text()), json.loads(after.read_text()))
+        out.write_text(f"Kernel families per layer-step before ({before.name}) and after ({after.name}); cells: GPU us "
+                       f"per layer-step (kernels per layer-step), torch.profiler over replays of the whole-step graph. "
+                       f"`python -m eval.bench_floor --compare {before} {after} {out}`\n\n{table}\n")
+        print(table)
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
     parser.add_argument("--points", nargs="+", default=["8x32512", "1x130560", "16x32512"],
