@@ -529,7 +529,7 @@ class OasisLayer(CacheLayerMixin):
 
     def _job_runner(self, query, start, num_tokens: int, scale: float, graphed: bool):
         """A callable doing the job: eager, or the replay of the job captured for this ``T`` (first graphed job of
-        a ``T`` eager, the second captures; a replay costs ~10 us of host time instead of ~60 launches)."""
+        a ``T`` eager, the second captures; a replay is one launch instead of the job's four and its Python)."""
         if not graphed:
             job = self._eager_job = _EagerJob(self, query, start, num_tokens, scale)
             return job
@@ -767,7 +767,8 @@ class _StepGraph:
     """`OasisLayer._decode_step` for one ``T``, captured in a CUDA graph with static inputs.
 
     Replaying costs a handful of launches (input copies, the start position, the replay, the output copy) instead of
-    the ~190 kernels of the step, which is what makes a 32-layer decode step launch-bound otherwise. Everything the
+    the step's own launches and Python, which with the model's eager modules make a decode step host-bound (the
+    whole-model graph, `oasis_hf.DecodeGraph`, removes the rest). Everything the
     step reads or writes in place (pool, table, summaries, host store, counters) is a persistent tensor of the
     layer; the graph is dropped whenever one of them is reallocated (`OasisLayer.grow`, `OasisLayer.reset`).
     """
