@@ -130,6 +130,13 @@ class OasisConfig:
         queries: on CUDA with the default ``prefetch_launch="caller"`` every job after a ``T``'s first two is a graph
         launched at once, so this acts on the CPU and on eager jobs only. Changes which blocks are chosen, never the
         exactness of attention. Default True.
+    whole_step : bool
+        On CUDA, a model switched by `oasis_hf.enable` runs the decode and verification forwards of ``model(...)``
+        and ``model.generate`` over this cache (``T <= 16`` new tokens, after the prefill) as one CUDA graph of the
+        whole forward per ``T`` (`oasis_hf.DecodeGraph`): one launch per step instead of the model's eager modules.
+        Forwards it cannot take (sliding-window layers, several devices, the stale policy, ``measure_recall``, a
+        remote tier, attention or hidden-state outputs) run eagerly, with one log line saying why. Default True;
+        False keeps every forward eager (per-layer graphs, see `cuda_graphs`). The CPU always runs eagerly.
     cuda_graphs : bool
         On CUDA, capture each layer's decode step (selection, delta, fetch, sparse attention) in a CUDA graph per
         forward length ``T <= 16`` and replay it: one graph launch per layer instead of the step's 5-8 kernel
@@ -159,6 +166,7 @@ class OasisConfig:
     measure_recall: bool = False
     dense_chunk_tokens: int = 64
     drop_rejected_drafts: bool = True
+    whole_step: bool = True
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
@@ -216,7 +224,7 @@ class OasisConfig:
             raise bad("host_capacity_tokens", self.host_capacity_tokens, "use a positive int, or None")
         if self.pin_host_memory not in (None, True, False):
             raise bad("pin_host_memory", self.pin_host_memory, "use True, False or None (auto)")
-        for name in ("prefetch", "measure_recall", "cuda_graphs", "drop_rejected_drafts"):
+        for name in ("prefetch", "measure_recall", "cuda_graphs", "drop_rejected_drafts", "whole_step"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, getattr(self, name), "use True or False")
         if not isinstance(self.host_memory_headroom_bytes, int) or self.host_memory_headroom_bytes < 0:

@@ -20,6 +20,7 @@ the capture stream, compiling every kernel variant; the next one captures and re
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -43,13 +44,40 @@ class _Captured:
     epoch: int  # the cache's table epoch it was captured against
 
 
+def unsupported(cache) -> str | None:
+    """Why `DecodeGraph` cannot run decode forwards over `cache`, or None when it can. What depends on the prefill
+    (the layers' devices, the host store) is checked once the cache holds tokens."""
+    if not isinstance(cache, OasisCache):
+        return f"DecodeGraph runs over an OasisCache, got {type(cache).__name__}"
+    others = [type(layer).__name__ for layer in cache.layers if not isinstance(layer, OasisLayer)]
+    if others:
+        return (f"DecodeGraph captures models whose every layer is an OasisLayer; this cache also has {others[0]} "
+                "layers (sliding-window attention), which grow by concatenation and cannot be captured; decode with "
+                "model(...) (per-layer step graphs) instead")
+    cfg = cache.config
+    if cfg.prefetch_policy != "wait":
+        return (f"DecodeGraph needs prefetch_policy='wait', not {cfg.prefetch_policy!r}: the stale policy decides on "
+                "the host, per step, whether a job finished")
+    if cfg.measure_recall:
+        return ("DecodeGraph cannot measure recall (it synchronises with the host every layer); set "
+                "OasisConfig.measure_recall=False or decode with model(...)")
+    layers = [layer for layer in cache.oasis_layers if layer.is_initialized]
+    if len({layer.device for layer in layers}) > 1:
+        return "DecodeGraph captures one device; this model's layers are on several (decode with model(...) instead)"
+    if cache.host is not None and not cache.host.capturable_fetch:  # a remote store runs host work per step
+        return ("DecodeGraph needs the local host store (its fetch is device work only); a remote tier's store runs "
+                "host work per step: decode with model(...) instead")
+    return None
+
+
 class DecodeGraph:
     """Decode forwards of `model` over `cache`, each ``T`` captured once as a CUDA graph.
 
     Parameters
     ----------
     model : a causal LM switched to the ``oasis`` attention (`oasis_hf.enable`).
-    cache : the `OasisCache` the model decodes with; prefill it with an ordinary forward first.
+    cache : the `OasisCache` the model decodes with; prefill it with an ordinary forward first. Held weakly (a cache
+        owns the runner `model.generate` uses, `OasisCache.graph_runner`): keep the cache alive while decoding.
 
     Call it as ``logits = graph(input_ids, position_ids)`` with ``input_ids`` and ``position_ids`` (B, T): it appends
     the ``T`` tokens to the cache like ``model(input_ids, position_ids=..., past_key_values=cache)`` and returns the
@@ -57,24 +85,11 @@ class DecodeGraph:
     """
 
     def __init__(self, model, cache: OasisCache) -> None:
-        if not isinstance(cache, OasisCache):
-            raise UnsupportedError(f"DecodeGraph runs over an OasisCache, got {type(cache).__name__}")
-        others = [type(layer).__name__ for layer in cache.layers if not isinstance(layer, OasisLayer)]
-        if others:
-            raise UnsupportedError(
-                f"DecodeGraph captures models whose every layer is an OasisLayer; this cache also has {others[0]} "
-                "layers (sliding-window attention), which grow by concatenation and cannot be captured; decode "
-                "with model(...) (per-layer step graphs) instead"
-            )
-        cfg = cache.config
-        if cfg.prefetch_policy != "wait":
-            raise UnsupportedError(f"DecodeGraph needs prefetch_policy='wait', not {cfg.prefetch_policy!r}: the "
-                                   "stale policy decides on the host, per step, whether a job finished")
-        if cfg.measure_recall:
-            raise UnsupportedError("DecodeGraph cannot measure recall (it synchronises with the host every layer); "
-                                   "set OasisConfig.measure_recall=False or decode with model(...)")
+        reason = unsupported(cache)
+        if reason is not None:
+            raise UnsupportedError(reason)
         self.model = model
-        self.cache = cache
+        self._cache = weakref.ref(cache)  # the cache owns its runner (`OasisCache.graph_runner`): no cycle
         self._kwarg = _compat.cache_kwarg(model)
         self._graphs: dict[int, _Captured] = {}
         self._warm: dict[int, int] = {}  # T -> the table epoch its last eager run saw
@@ -82,6 +97,15 @@ class DecodeGraph:
         self._forked: dict[torch.device, torch.cuda.Stream] = {}
         self._pool = None
         self.replays = 0
+        self.steps = 0  # forwards run (replays, captures and eager runs)
+
+    @property
+    def cache(self) -> OasisCache:
+        cache = self._cache()
+        if cache is None:
+            raise UnsupportedError("this DecodeGraph's OasisCache was garbage-collected: a DecodeGraph holds its cache "
+                                   "weakly, so keep a reference to the cache while decoding with it")
+        return cache
 
     # ------------------------------------------------------------------------------------------ used by layers
     def start(self, device: torch.device) -> torch.Tensor:
@@ -112,14 +136,11 @@ class DecodeGraph:
         start = cache.get_seq_length()
         if start == 0:
             raise UnsupportedError("DecodeGraph decodes after a prefill: run the prompt through model(...) first")
+        reason = unsupported(cache)
+        if reason is not None:
+            raise UnsupportedError(reason)
         layers = cache.oasis_layers
         device = input_ids.device
-        if any(layer.device != device for layer in layers):
-            raise UnsupportedError("DecodeGraph captures one device; this model's layers are on several (decode "
-                                   "with model(...) instead)")
-        if not cache.host.capturable_fetch:  # a remote store tracks progress and pulls blocks from the host
-            raise UnsupportedError("DecodeGraph needs the local host store (its fetch is device work only); a "
-                                   "remote tier's store runs host work per step: decode with model(...) instead")
         cache.wait()  # jobs of earlier eager steps: finished and ordered before this step
         cache._reserve(start + num_tokens)  # may grow the store: a new table epoch, captured graphs are stale
         current = torch.cuda.current_stream(device) if device.type == "cuda" else None
@@ -145,6 +166,7 @@ class DecodeGraph:
             self._warm[num_tokens] = epoch
         for layer in layers:
             layer.length = start + num_tokens
+        self.steps += 1
         stats = cache.stats
         stats.decode_layer_steps += len(layers)
         if cache.selector.asynchronous:

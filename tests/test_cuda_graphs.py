@@ -1,13 +1,20 @@
-"""The decode step captured in CUDA graphs gives the same results as the eager step (GPU only)."""
+"""The decode step captured in CUDA graphs gives the same results as the eager step (GPU only). These are the
+per-layer step graphs: every cache here has ``whole_step=False`` (the whole-model graph path that `enable` installs
+is tested in test_fast_path and test_decode_graph)."""
 
 import pytest
 import torch
 from transformers import DynamicCache
 
-from tests._factories import oasis_cache, tiny_model
+from tests._factories import oasis_cache as _oasis_cache
+from tests._factories import tiny_model
 from tests.test_generate import generate, left_padded
 
 pytestmark = pytest.mark.gpu
+
+
+def oasis_cache(model, **fields):
+    return _oasis_cache(model, whole_step=False, **fields)
 
 
 def _teacher_forced(model, cache, ids, prompt):

@@ -85,6 +85,9 @@ class OasisCache(Cache):
         self._capture_streams: dict[tuple[torch.device, bool], torch.cuda.Stream] = {}
         self._prefetchers: dict[torch.device, Prefetcher] = {}
         self._whole_step = None  # the `oasis_hf.DecodeGraph` whose forward is running (layers take its path)
+        #: The `oasis_hf.DecodeGraph` that ``model.generate``'s decode forwards replay over this cache (created by the
+        #: fast path `oasis_hf.enable` installs, on the first decode forward; None until then or when not used).
+        self.graph_runner = None
         self._epoch = 0  # bumped whenever the tables and host segments are reallocated (graphs of them are stale)
         # No thread outlives the cache: close the workers when the cache is collected (or at interpreter exit).
         self._finalizer = weakref.finalize(self, _close_all, self._prefetchers)
@@ -96,6 +99,11 @@ class OasisCache(Cache):
     def oasis_layers(self) -> list[OasisLayer]:
         """The managed (full-attention) layers, in model order."""
         return self._oasis_layers
+
+    @property
+    def in_whole_step(self) -> bool:
+        """Whether a `oasis_hf.DecodeGraph` forward over this cache is running (its layers take the whole-step path)."""
+        return self._whole_step is not None
 
     @property
     def host_capacity_blocks(self) -> int:

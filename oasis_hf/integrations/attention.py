@@ -2,8 +2,9 @@
 
 Nothing is registered at import. `register()` adds ``"oasis"`` to transformers' `AttentionInterface` and the 2-D
 padding-mask builder to `AttentionMaskInterface` (so no dense ``(B, 1, T, L)`` mask is ever built); `enable(model)`
-also switches a model to it. Calls whose key was not returned by an `OasisLayer` (sliding-window layers, a draft
-model, an lm-eval loglikelihood forward with its own cache, early-exit drafting) run dense attention.
+also switches a model to it and installs the whole-step graph path for its decode forwards. Calls whose key was not
+returned by an `OasisLayer` (sliding-window layers, a draft model, an lm-eval loglikelihood forward with its own
+cache, early-exit drafting) run dense attention.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from oasis_hf import _compat
 from oasis_hf.cache.layer import layer_of
 from oasis_hf.errors import UnsupportedError
+from oasis_hf.integrations import fast_path
 from oasis_hf.kernels.dense import dense_attention
 
 ATTENTION_NAME = "oasis"
@@ -64,11 +66,14 @@ def register(name: str = ATTENTION_NAME) -> str:
 
 
 def enable(model, name: str = ATTENTION_NAME):
-    """Register the attention and switch `model` (text part only for multimodal models) to it; returns `model`."""
+    """Register the attention, switch `model` (text part only for multimodal models) to it, and install the
+    whole-step graph path for its decode forwards over an `OasisCache` (`oasis_hf.integrations.fast_path`; opt out
+    per cache with `OasisConfig.whole_step=False`); returns `model`."""
     register(name)
     config = model.config
     if getattr(config, "text_config", None) is not None and getattr(config, "vision_config", None) is not None:
         model.set_attn_implementation({"text_config": name, "vision_config": "sdpa"})
     else:
         model.set_attn_implementation(name)
+    fast_path.install(model)
     return model
