@@ -100,8 +100,12 @@ def test_decode_graph_refuses_what_it_cannot_capture():
         DecodeGraph(model, oasis_cache(model, measure_recall=True))
     with pytest.raises(UnsupportedError, match="OasisCache"):
         DecodeGraph(model, None)
-    runner = DecodeGraph(model, oasis_cache(model))
+    cache = oasis_cache(model)
+    runner = DecodeGraph(model, cache)
     with pytest.raises(UnsupportedError, match="prefill"):
+        runner(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
+    del cache  # a DecodeGraph holds its cache weakly: without another reference it is gone
+    with pytest.raises(UnsupportedError, match="garbage-collected"):
         runner(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
 
 

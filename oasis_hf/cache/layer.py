@@ -22,6 +22,7 @@ import contextlib
 import logging
 import math
 import threading
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,7 +31,7 @@ from transformers.cache_utils import CacheLayerMixin
 from oasis_hf.cache.block_table import INF, BlockTable
 from oasis_hf.cache.pinned import capturing
 from oasis_hf.cache.summaries import BlockSummaries
-from oasis_hf.errors import DeviceMemoryError, UnsupportedError
+from oasis_hf.errors import DeviceMemoryError, OasisError, UnsupportedError
 from oasis_hf.kernels import (
     INTERPRET,
     append_tokens,
@@ -68,7 +69,7 @@ class OasisLayer(CacheLayerMixin):
 
     def __init__(self, cache: OasisCache, layer_idx: int) -> None:
         super().__init__()
-        self.cache = cache
+        self._cache = weakref.ref(cache)  # the cache owns its layers: no cycle, a dropped cache is freed at once
         self.layer_idx = layer_idx
         self.config = cache.config
         self.length = 0
@@ -85,6 +86,15 @@ class OasisLayer(CacheLayerMixin):
         self._staged: dict[str, torch.Tensor] | None = None  # the stale policy's proposal buffers
         self._stage_pending = False  # a proposal waits to be committed by the next step
         self._warm: set[int] = set()  # T values whose step already ran eagerly on the capture stream
+
+    @property
+    def cache(self) -> OasisCache:
+        """The `OasisCache` this layer belongs to (held weakly)."""
+        cache = self._cache()
+        if cache is None:
+            raise OasisError(f"OasisCache layer {self.layer_idx} outlived its cache, which was garbage-collected; "
+                             "keep a reference to the OasisCache while its layers are in use")
+        return cache
 
     # ------------------------------------------------------------------------------------------ HF layer API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
