@@ -11,6 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 KERNEL_BACKENDS = ("auto", "triton", "torch")
+
+
+def _is_int(value: Any) -> bool:
+    """An int that is not a bool (``True`` is an ``int`` to Python, never a size here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 SUMMARY_KINDS = ("mean", "minmax", "mean+minmax")
 
 
@@ -182,13 +187,14 @@ class OasisConfig:
         bs = self.block_size
         if bs < 16 or bs > 256 or bs & (bs - 1):
             raise bad("block_size", bs, "use a power of two between 16 and 256 (e.g. 32)")
-        for name in ("budget_tokens", "sink_tokens", "recent_tokens", "host_growth_tokens"):
+        for name in ("budget_tokens", "host_growth_tokens"):
+            value = getattr(self, name)
+            if value <= 0 or value % bs:
+                raise bad(name, value, f"must be a positive multiple of block_size={bs}")
+        for name in ("sink_tokens", "recent_tokens"):
             value = getattr(self, name)
             if value < 0 or value % bs:
                 raise bad(name, value, f"must be a non-negative multiple of block_size={bs}")
-        if self.budget_tokens == 0 or self.host_growth_tokens == 0:
-            name = "budget_tokens" if self.budget_tokens == 0 else "host_growth_tokens"
-            raise bad(name, 0, "must be positive")
         # Resident at all times: sinks + recent window + the partial last block, plus one slot for a selected block.
         floor = self.sink_tokens + self.recent_tokens + 2 * bs
         if self.budget_tokens < floor:
@@ -219,15 +225,21 @@ class OasisConfig:
         ):
             raise bad("fetch_programs", self.fetch_programs, "use a positive int, or None for no cap")
         if self.host_capacity_tokens is not None and (
-            not isinstance(self.host_capacity_tokens, int) or self.host_capacity_tokens <= 0
+            not _is_int(self.host_capacity_tokens) or self.host_capacity_tokens <= 0
         ):
             raise bad("host_capacity_tokens", self.host_capacity_tokens, "use a positive int, or None")
-        if self.pin_host_memory not in (None, True, False):
+        if self.pin_host_memory is not None and not isinstance(self.pin_host_memory, bool):
             raise bad("pin_host_memory", self.pin_host_memory, "use True, False or None (auto)")
+        if self.pin_host_memory is True:
+            import torch  # local: validating the other fields imports nothing
+
+            if not torch.cuda.is_available():
+                raise bad("pin_host_memory", True, "page-locked host memory is for GPU transfers and this torch sees "
+                          "no CUDA device; use None (pin when CUDA is present) or False")
         for name in ("prefetch", "measure_recall", "cuda_graphs", "drop_rejected_drafts", "whole_step"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, getattr(self, name), "use True or False")
-        if not isinstance(self.host_memory_headroom_bytes, int) or self.host_memory_headroom_bytes < 0:
+        if not _is_int(self.host_memory_headroom_bytes) or self.host_memory_headroom_bytes < 0:
             raise bad("host_memory_headroom_bytes", self.host_memory_headroom_bytes, "use a non-negative int")
         if not isinstance(self.dense_chunk_tokens, int) or isinstance(self.dense_chunk_tokens, bool) or (
             self.dense_chunk_tokens < 1

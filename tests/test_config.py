@@ -9,7 +9,8 @@ BAD = [
     ("block_size", 8, "power of two"),
     ("block_size", "32", "expected an int"),
     ("budget_tokens", 100, "multiple of block_size"),
-    ("budget_tokens", 0, "multiple|positive"),
+    ("budget_tokens", 0, "positive multiple of block_size"),
+    ("budget_tokens", -64, "positive multiple of block_size"),
     ("budget_tokens", 128, "sink_tokens \\+ recent_tokens"),
     ("sink_tokens", -32, "non-negative multiple"),
     ("recent_tokens", 33, "multiple of block_size"),
@@ -20,9 +21,13 @@ BAD = [
     ("fetch_programs", 0, "positive int"),
     ("fetch_programs", True, "positive int"),
     ("host_capacity_tokens", -1, "positive int"),
+    ("host_capacity_tokens", True, "positive int"),
     ("host_growth_tokens", 0, "positive"),
     ("pin_host_memory", "yes", "True, False or None"),
+    ("pin_host_memory", 1, "True, False or None"),
+    ("pin_host_memory", 0, "True, False or None"),
     ("host_memory_headroom_bytes", -5, "non-negative"),
+    ("host_memory_headroom_bytes", True, "non-negative"),
     ("host_memory_limit_bytes", 0, "positive int"),
     ("dense_chunk_tokens", 0, "positive int"),
     ("prefetch_policy", "late", "'wait' or 'stale'"),
@@ -51,3 +56,28 @@ def test_frozen_roundtrip_and_unknown_keys():
     with pytest.raises(ValueError, match="unknown OasisConfig field"):
         OasisConfig.from_dict({"budget": 1024})
     assert cfg.budget_blocks == 32 and cfg.sink_blocks == 1 and cfg.recent_blocks == 5
+
+
+def test_pinned_host_memory_without_cuda_is_refused_when_the_config_is_made():
+    import torch
+
+    if torch.cuda.is_available():
+        assert OasisConfig(pin_host_memory=True).pin_host_memory is True
+        return
+    with pytest.raises(ValueError, match="OasisConfig.pin_host_memory=True .*no CUDA device.*None"):
+        OasisConfig(pin_host_memory=True)
+    assert OasisConfig(pin_host_memory=False).pin_host_memory is False
+
+
+def test_a_cache_names_the_argument_it_expected():
+    from oasis_hf import OasisCache
+    from tests._factories import tiny_model
+
+    model = tiny_model("llama")
+    with pytest.raises(TypeError, match="PretrainedConfig.*got LlamaForCausalLM \\(pass model.config\\)"):
+        OasisCache(model)
+    with pytest.raises(TypeError, match="PretrainedConfig.*got NoneType"):
+        OasisCache(None)
+    with pytest.raises(TypeError, match="must be an OasisConfig.*got dict"):
+        OasisCache(model.config, {"budget_tokens": 1024})
+    assert OasisCache(model.config, budget_tokens=1024).config.budget_tokens == 1024

@@ -20,6 +20,7 @@ import weakref
 
 import torch
 from transformers.cache_utils import Cache
+from transformers.configuration_utils import PretrainedConfig
 
 from oasis_hf import _compat
 from oasis_hf.cache.host_store import BlockStore, HostKVStore
@@ -57,6 +58,15 @@ class OasisCache(Cache):
 
     def __init__(self, model_config, config: OasisConfig | None = None, *, host_pool: PinnedPool | None = None,
                  **overrides) -> None:
+        if not isinstance(model_config, PretrainedConfig):
+            hint = (" (pass model.config)" if isinstance(getattr(model_config, "config", None), PretrainedConfig)
+                    else "")
+            raise TypeError(f"OasisCache takes the model's config, a transformers PretrainedConfig, as its first "
+                            f"argument; got {type(model_config).__name__}{hint}")
+        if config is not None and not isinstance(config, OasisConfig):
+            raise TypeError(f"OasisCache's config must be an OasisConfig (or None for the defaults), got "
+                            f"{type(config).__name__}; keyword overrides go directly: "
+                            "OasisCache(model.config, budget_tokens=1024)")
         config = config or OasisConfig()
         if overrides:
             config = dataclasses.replace(config, **overrides)
