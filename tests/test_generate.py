@@ -324,3 +324,41 @@ def test_attention_takes_dropout_by_position_like_transformers():
     model = tiny_model("llama")
     model.set_attn_implementation("oasis_positional")
     assert torch.equal(generate(model, ids, mask, oasis_cache(model)), ref)
+
+
+def test_a_limit_that_holds_the_prompt_but_not_the_answer_is_refused_before_decoding():
+    """host_memory_limit_bytes that fits the prompt but not prompt + max_new_tokens: generate refuses at the first
+    layer of the prefill (nothing stored), naming the longest length that fits. Before, decoding failed several steps
+    in, when the store grew by half its size at a time. A limit that holds exactly the planned length decodes."""
+    model = tiny_model("llama", attn="oasis")
+    ids, mask = left_padded([100])
+    # 2 layers x (K, V) x 2 KV heads x head dim 16 x fp32 = 512 bytes per token; blocks of 16 tokens: 8 KiB each.
+    limit = 8 * 16 * 512  # 8 blocks: 128 tokens
+    cache = oasis_cache(model, host_memory_limit_bytes=limit)
+    with pytest.raises(HostMemoryError, match=r"64.00 KiB.*at most 128 tokens") as err:
+        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64,
+                       do_sample=False, pad_token_id=0)
+    assert err.value.fits_tokens == 128
+    assert cache.get_seq_length() == 0 and cache.host.capacity_blocks == 0
+    ok = oasis_cache(model, host_memory_limit_bytes=limit)
+    out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=ok, max_new_tokens=28,
+                         min_new_tokens=28, do_sample=False, pad_token_id=0)
+    assert out.shape[1] == 128 and ok.host.capacity_blocks == 8
+
+
+def test_growth_takes_what_fits_when_half_again_does_not():
+    """The store prefers to grow by half its size (or host_growth_tokens) at once; under a limit that cannot hold
+    that it takes only the blocks required, and refuses (with what fits) only when those do not fit."""
+    from oasis_hf.cache.host_store import HostKVStore
+
+    store = HostKVStore([0, 1], 1, 2, 16, 16, torch.float32, pin=False, headroom_bytes=0, growth_tokens=4096,
+                        limit_bytes=8 * 16 * 512)
+    store.ensure_capacity(100)
+    assert store.capacity_blocks == 7
+    store.ensure_capacity(113)  # one more block: half again (or 256 blocks) does not fit, one does
+    assert store.capacity_blocks == 8
+    with pytest.raises(HostMemoryError, match="at most 128 tokens"):
+        store.ensure_capacity(129)
+    from oasis_hf.errors import format_bytes
+
+    assert [format_bytes(n) for n in (512, 3.5 * 2**20, 1.5 * 2**30)] == ["512 bytes", "3.50 MiB", "1.50 GiB"]

@@ -129,14 +129,20 @@ class HostKVStore:
         return self.capacity_blocks * self.bytes_per_block() * len(self.layer_ids)
 
     def ensure_capacity(self, num_tokens: int, reserve_tokens: int = 0) -> bool:
-        """Make room for `num_tokens` tokens per sequence in every layer; returns True if the store grew."""
+        """Make room for `num_tokens` tokens per sequence in every layer, and for `reserve_tokens` (a planned length:
+        all of it now, or a `HostMemoryError` saying what fits); returns True if the store grew. Growth prefers
+        half the current size at once, and takes only what is required when that preference does not fit."""
         needed = -(-num_tokens // self.block_size)
         if needed <= self.capacity_blocks:
             return False
-        extra = max(needed - self.capacity_blocks, -(-reserve_tokens // self.block_size) - self.capacity_blocks)
-        if self.capacity_blocks:
-            extra = max(extra, self.growth_blocks, self.capacity_blocks // 2)
-        self._allocate_segment(extra)
+        required = max(needed - self.capacity_blocks, -(-reserve_tokens // self.block_size) - self.capacity_blocks)
+        preferred = max(required, self.growth_blocks, self.capacity_blocks // 2) if self.capacity_blocks else required
+        try:
+            self._allocate_segment(preferred)
+        except HostMemoryError:
+            if preferred == required:
+                raise
+            self._allocate_segment(required)
         return True
 
     def _allocate_segment(self, num_blocks: int) -> None:
@@ -151,16 +157,23 @@ class HostKVStore:
         if buffer is None and self.limit_bytes is None and self.pool is not None and self.pool.free_bytes:
             self.pool.clear()  # nothing fits: the free buffers go back to the OS before the check below
             available = psutil.virtual_memory().available
+        block_bytes = self.bytes_per_block() * len(self.layer_ids)  # one more block per sequence, every layer
+        fits = (self.capacity_blocks + max(0, available - headroom) // block_bytes) * self.block_size
+
+        def refused() -> HostMemoryError:
+            return HostMemoryError(nbytes, available, headroom, held, limited=self.limit_bytes is not None,
+                                   fits_tokens=fits)
+
         if buffer is None or self.limit_bytes is not None:  # a reused buffer is memory held already
             if nbytes + headroom > available:
                 if buffer is not None:
                     self.pool.give([buffer])
-                raise HostMemoryError(nbytes, available, headroom, held, limited=self.limit_bytes is not None)
+                raise refused()
         shape = (self.batch_size, self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
         try:
             buffer = buffer if buffer is not None else PinnedBuffer(nbytes, pin=self.pin)
         except (RuntimeError, MemoryError) as exc:  # malloc or cudaHostRegister refused: nothing is kept
-            raise HostMemoryError(nbytes, available, headroom, held, limited=self.limit_bytes is not None) from exc
+            raise refused() from exc
         keys = {layer: buffer.view(2 * i * per_tensor, shape, self.dtype) for i, layer in enumerate(self.layer_ids)}
         values = {layer: buffer.view((2 * i + 1) * per_tensor, shape, self.dtype)
                   for i, layer in enumerate(self.layer_ids)}

@@ -163,6 +163,11 @@ class OasisLayer(CacheLayerMixin):
         setattr(handle, _HANDLE_ATTR, self)
         return handle, value_states
 
+    @property
+    def mid_forward(self) -> bool:
+        """Whether this layer received a forward's K/V whose attention has not run (an interrupted forward)."""
+        return self._pending is not None
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
 

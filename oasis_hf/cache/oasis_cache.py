@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import weakref
 
 import torch
@@ -29,7 +30,7 @@ from oasis_hf.cache.pinned import PinnedPool
 from oasis_hf.cache.prefetch import Prefetcher, background_stream
 from oasis_hf.cache.stats import OasisStats
 from oasis_hf.config import OasisConfig
-from oasis_hf.errors import UnsupportedError
+from oasis_hf.errors import OasisError, UnsupportedError
 from oasis_hf.selectors import get_selector
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,14 @@ class OasisCache(Cache):
         #: fast path `oasis_hf.enable` installs, on the first decode forward; None until then or when not used).
         self.graph_runner = None
         self._epoch = 0  # bumped whenever the tables and host segments are reallocated (graphs of them are stale)
+        self._closed = False  # close() is terminal
+        self._planned_tokens = 0  # the longest sequence the running generate call can reach (`plan_tokens`)
+        self._thread: int | None = None  # the thread that feeds this cache (set by its first forward)
+        # (KV heads, head dim) every layer's K/V must have: what the model this cache was built for gives.
+        heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        self._kv_shape = (heads, head_dim)
+        self._checked: set[int] = set()  # layers whose K/V shape was checked
         # No thread outlives the cache: close the workers when the cache is collected (or at interpreter exit).
         self._finalizer = weakref.finalize(self, _close_all, self._prefetchers)
         super().__init__(layers=layers)
@@ -138,10 +147,17 @@ class OasisCache(Cache):
             )  # fmt: skip
         if -(-num_tokens // self.config.block_size) > self.host.capacity_blocks:
             self.wait()  # growing replaces the block maps that outstanding selection jobs still update
-        if self.host.ensure_capacity(num_tokens, reserve_tokens=self.config.host_capacity_tokens or 0):
+        reserve = max(self.config.host_capacity_tokens or 0, self._planned_tokens)
+        if self.host.ensure_capacity(num_tokens, reserve_tokens=reserve):
             self._epoch += 1
             for layer in self.oasis_layers:
                 layer.grow(self.host.capacity_blocks)
+
+    def plan_tokens(self, num_tokens: int) -> None:
+        """The sequences may reach `num_tokens` tokens (prompt plus new tokens; `oasis_hf.enable`'s generate does
+        this): the host store is sized for all of it at the first forward, which refuses with `HostMemoryError` (the
+        longest length that fits named) before any decoding, instead of failing when the store grows mid-decode."""
+        self._planned_tokens = max(self._planned_tokens, int(num_tokens))
 
     def _prefetcher(self, device: torch.device) -> Prefetcher:
         """The background selection worker of `device`, started on first use."""
@@ -158,7 +174,9 @@ class OasisCache(Cache):
                 layer._await_job()
 
     def close(self) -> None:
-        """Finish outstanding selection jobs and stop the prefetch workers (idempotent; `reset` keeps them)."""
+        """Finish outstanding selection jobs and stop the prefetch workers (idempotent; `reset` keeps them). Terminal:
+        a closed cache refuses further forwards."""
+        self._closed = True
         try:
             self.wait()
         finally:
@@ -231,8 +249,69 @@ class OasisCache(Cache):
         layer.writeback_event = event
 
     # ------------------------------------------------------------------------------------------------ Cache API
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """transformers' entry point, per layer and forward; refuses misuse before any state changes: a closed
+        cache, a second thread, a model other than the one the cache was built for, a cache left mid-forward."""
+        self._check_use(key_states, layer_idx)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _check_use(self, key_states: torch.Tensor, layer_idx: int) -> None:
+        if self._closed:
+            returned = (" and its host memory returned to its host_pool (another cache may use it now)"
+                        if self._host_returned else "")
+            raise UnsupportedError(f"this OasisCache was closed{returned}; make a new OasisCache for the next batch")
+        thread = threading.get_ident()
+        if self._thread is None:
+            self._thread = thread
+        elif thread != self._thread:
+            raise UnsupportedError(
+                "this OasisCache is in use by another thread; a cache holds one batch of sequences and is fed by one "
+                "thread: make an OasisCache per thread (or call reset() before handing it over)"
+            )
+        if layer_idx >= len(self.layers):
+            raise UnsupportedError(
+                f"the model sent layer {layer_idx}, but this OasisCache was built for a config with "
+                f"{len(self.layers)} layers; build it from this model's config: OasisCache(model.config, ...)"
+            )
+        if layer_idx not in self._checked:
+            heads, head_dim = key_states.shape[1], key_states.shape[-1]
+            # A tensor-parallel rank sends an even share of the config's KV heads.
+            if head_dim != self._kv_shape[1] or heads > self._kv_shape[0] or self._kv_shape[0] % heads:
+                raise UnsupportedError(
+                    f"layer {layer_idx} sent K/V of {heads} KV heads x head dim {head_dim}, but this OasisCache was "
+                    f"built for a config with {self._kv_shape[0]} x {self._kv_shape[1]}; build it from this model's "
+                    "config: OasisCache(model.config, ...)"
+                )
+            self._checked.add(layer_idx)
+        if layer_idx == 0 and any(layer.is_initialized for layer in self._oasis_layers):
+            self._check_whole()
+
+    def _check_whole(self) -> None:
+        """At the start of a forward on a cache holding tokens: no managed layer is left between its update and its
+        attention or behind the others (an exception or interrupt mid-forward), and every one got the last forward's
+        tokens (else the model has fewer layers than the cache's config)."""
+        layers = [layer for layer in self._oasis_layers if layer.is_initialized]
+        lengths = {layer.length for layer in layers}
+        pending = [layer.mid_forward for layer in layers]
+        if all(pending) and len(layers) == len(self._oasis_layers) and len(lengths) == 1:
+            return  # no attention ran at all: the model is not on the oasis attention, which the layer says next
+        if len(lengths) > 1 or any(pending):
+            raise OasisError(
+                f"this OasisCache was left in the middle of a forward (its layers hold {sorted(lengths)} tokens: an "
+                "exception or interrupt stopped it between layers); call cache.reset() to start over, or make a new "
+                "OasisCache"
+            )
+        empty = [layer.layer_idx for layer in self._oasis_layers if not layer.is_initialized]
+        if empty:
+            raise UnsupportedError(
+                f"the previous forward left layers {empty} of this OasisCache empty: the model has fewer layers than "
+                "the config the cache was built for; build it from this model's config: OasisCache(model.config, ...)"
+            )
+
     def crop(self, max_length: int) -> None:
-        """Drop tokens from the end: ``crop(-n)`` removes ``n`` (5.18+), ``crop(n > 0)`` keeps ``n`` (5.17 legacy)."""
+        """Drop tokens from the end: ``crop(-n)`` removes ``n`` (5.18+), ``crop(n > 0)`` keeps ``n`` (5.17 legacy).
+        transformers' assisted generation may pass a 0-d tensor: the layers' lengths stay Python ints."""
+        max_length = int(max_length)
         length = self.get_seq_length()
         remove = max(0, length - max_length) if max_length > 0 else -max_length
         if self.config.drop_rejected_drafts:  # first, before any layer waits for its job and the worker moves on
@@ -254,8 +333,11 @@ class OasisCache(Cache):
         raise UnsupportedError("OasisCache cannot select batch entries; use a fresh cache per batch")
 
     def reset(self) -> None:
-        """Forget every token and free the host store."""
+        """Forget every token and free the host store (a cache left mid-forward is usable again; the next forward may
+        come from another thread)."""
         super().reset()
+        self._thread = None
+        self._planned_tokens = 0
         self._epoch += 1
         if self.host is not None:
             self.host.release()

@@ -16,7 +16,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from oasis_hf import _compat
 from oasis_hf.cache.layer import layer_of
 from oasis_hf.errors import UnsupportedError
-from oasis_hf.integrations import fast_path
+from oasis_hf.integrations import capacity, fast_path
 from oasis_hf.kernels.dense import dense_attention
 
 ATTENTION_NAME = "oasis"
@@ -66,9 +66,10 @@ def register(name: str = ATTENTION_NAME) -> str:
 
 
 def enable(model, name: str = ATTENTION_NAME):
-    """Register the attention, switch `model` (text part only for multimodal models) to it, and install the
-    whole-step graph path for its decode forwards over an `OasisCache` (`oasis_hf.integrations.fast_path`; opt out
-    per cache with `OasisConfig.whole_step=False`); returns `model`."""
+    """Register the attention, switch `model` (text part only for multimodal models) to it, install the whole-step
+    graph path for its decode forwards over an `OasisCache` (`oasis_hf.integrations.fast_path`; opt out per cache
+    with `OasisConfig.whole_step=False`) and the host store's sizing when ``generate`` starts
+    (`oasis_hf.integrations.capacity`); returns `model`."""
     register(name)
     config = model.config
     if getattr(config, "text_config", None) is not None and getattr(config, "vision_config", None) is not None:
@@ -76,4 +77,5 @@ def enable(model, name: str = ATTENTION_NAME):
     else:
         model.set_attn_implementation(name)
     fast_path.install(model)
+    capacity.install(model)
     return model

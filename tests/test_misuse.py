@@ -1,0 +1,99 @@
+"""Misuse of a cache is refused with an error that names the problem and the fix, before it changes any state:
+a closed cache, one cache fed from two threads, a cache built for another model, a cache left mid-forward."""
+
+import threading
+
+import pytest
+import torch
+
+import oasis_hf
+from oasis_hf import OasisError, UnsupportedError
+from tests._factories import oasis_cache, tiny_model
+from tests.test_generate import generate, left_padded
+
+
+def test_a_closed_cache_refuses_further_use():
+    model = tiny_model("llama", attn="oasis")
+    ids, mask = left_padded([100])
+    cache = oasis_cache(model, selector="lookahead", budget_tokens=128, max_fetch_blocks=2)
+    generate(model, ids, mask, cache)
+    cache.close()
+    with pytest.raises(OasisError, match="was closed; make a new OasisCache"):
+        generate(model, ids, mask, cache)
+
+
+def test_one_cache_fed_from_two_threads_is_refused_in_the_second():
+    """The thread that first feeds a cache owns it until reset(); another thread gets a clear error, not a shape
+    error or quietly wrong tokens."""
+    model = tiny_model("llama", attn="oasis")
+    ids, mask = left_padded([100])
+    cache = oasis_cache(model)
+    generate(model, ids, mask, cache)
+    errors = []
+
+    def other():
+        try:
+            generate(model, ids, mask, cache)
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            errors.append(exc)
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    worker.join()
+    assert len(errors) == 1 and isinstance(errors[0], UnsupportedError)
+    assert "in use by another thread" in str(errors[0])
+    cache.reset()  # handed over: the next thread to feed it owns it
+    worker = threading.Thread(target=other)
+    worker.start()
+    worker.join()
+    assert len(errors) == 1
+
+
+def test_a_cache_for_another_model_is_refused_by_name():
+    """A Gemma3-config cache on a Llama model (other KV heads), a 2-layer cache on a 4-layer model, a 4-layer cache
+    on a 2-layer model: refused at the first forward that shows it (before: wrong tokens, an IndexError, and
+    silently unused layers)."""
+    llama = tiny_model("llama", attn="oasis")
+    gemma = tiny_model("gemma3", attn="oasis")
+    ids, mask = left_padded([60])
+    with pytest.raises(UnsupportedError, match="1 x 16.*OasisCache\\(model.config"):
+        generate(llama, ids, mask, oasis_cache(gemma))
+    deeper = tiny_model("llama", layers=4, attn="oasis")
+    with pytest.raises(UnsupportedError, match="sent layer 2.*config with 2 layers"):
+        generate(deeper, ids, mask, oasis_cache(llama))
+    with pytest.raises(UnsupportedError, match="left layers \\[2, 3\\].*fewer layers"):
+        generate(llama, ids, mask, oasis_cache(deeper))
+
+
+def test_an_interrupted_forward_marks_the_cache_until_reset(monkeypatch):
+    """An interrupt between one layer's update and its attention (KeyboardInterrupt in layer 1 of the prefill)
+    leaves the cache refusing further forwards with a message naming reset(); after reset() it decodes as a fresh
+    cache does."""
+    model = tiny_model("llama", attn="oasis")
+    ids, mask = left_padded([100, 80])
+    with oasis_cache(model) as fresh:
+        want = generate(model, ids, mask, fresh)
+    cache = oasis_cache(model)
+    attend = oasis_hf.cache.OasisLayer.attend
+
+    def interrupted(layer, *args, **kwargs):
+        if layer.layer_idx == 1:
+            raise KeyboardInterrupt
+        return attend(layer, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(oasis_hf.cache.OasisLayer, "attend", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            generate(model, ids, mask, cache)
+    with pytest.raises(OasisError, match="left in the middle of a forward.*cache.reset\\(\\)"):
+        generate(model, ids, mask, cache)
+    cache.reset()
+    assert torch.equal(generate(model, ids, mask, cache), want)
+
+
+def test_a_model_not_on_the_oasis_attention_is_still_named():
+    """Every layer updated and no attention ran: the layer's own message (switch the attention) comes first."""
+    model = tiny_model("llama")  # SDPA attention, never switched
+    ids, mask = left_padded([60])
+    with pytest.raises(UnsupportedError, match="not using the 'oasis' attention"):
+        generate(model, ids, mask, oasis_cache(model))
