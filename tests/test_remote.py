@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -183,6 +184,33 @@ def test_forgotten_remote_cache_and_cluster_leave_nothing_running(cluster):
         while Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not Path(f"/proc/{pid}").exists() or "zombie" in _state(pid), f"Mooncake process {pid} still runs"
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_mooncake_services_die_with_a_killed_parent(how):
+    """SIGKILL or SIGTERM of the process that started a MooncakeCluster (no finalizer runs) stops its master and
+    pool process too (parent-death signal); before, both kept running."""
+    code = (
+        "import time\n"
+        "from oasis_hf.remote import MooncakeCluster\n"
+        "own = MooncakeCluster(pool_bytes=16 << 20).start()\n"
+        "print(own.master.pid, own.pool.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    parent = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(pid) for pid in parent.stdout.readline().split()]
+        assert len(pids) == 2 and all(Path(f"/proc/{pid}").exists() for pid in pids)
+        parent.send_signal(how)
+        parent.wait(timeout=30)
+        for pid in pids:
+            deadline = time.monotonic() + 10
+            while Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not Path(f"/proc/{pid}").exists() or "zombie" in _state(pid), f"Mooncake process {pid} still runs"
+    finally:
+        parent.kill()
 
 
 def _state(pid: int) -> str:

@@ -14,12 +14,14 @@ Needs ``pip install mooncake-transfer-engine-non-cuda==0.3.13.post1`` (CPU) or `
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import weakref
 from collections.abc import Sequence
@@ -126,6 +128,7 @@ class MooncakeCluster:
                  "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}", "--rpc_thread_num=2",
                  "--logtostderr=true", "--minloglevel=2"],
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                preexec_fn=_die_with_parent(),
             )  # fmt: skip
             self._processes.append(self.master)
             _wait_port(self.rpc_port, self.master, "mooncake_master", self.start_timeout_s)
@@ -134,6 +137,7 @@ class MooncakeCluster:
                  f"--global_segment_size={self.pool_bytes}", f"--master_server_address={self.master_address}",
                  "--metadata_server=P2PHANDSHAKE", "--protocol=tcp"],
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                preexec_fn=_die_with_parent(),
             )  # fmt: skip
             self._processes.append(self.pool)
             _wait_port(self.pool_port, self.pool, "mooncake_client (pool)", self.start_timeout_s)
@@ -161,6 +165,24 @@ class MooncakeCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _die_with_parent():
+    """A ``preexec_fn`` that makes the child receive SIGKILL when the process that starts it dies, however it dies
+    (SIGTERM and SIGKILL run no finalizer; the services run in their own sessions, so no Ctrl-C reaches them):
+    Linux's ``PR_SET_PDEATHSIG``. The signal follows the *thread* that started the child, so start a cluster from a
+    thread that lives as long as it (the main thread, usually). Elsewhere (no prctl) only `stop`, the finalizer and
+    interpreter exit stop the services."""
+    parent = os.getpid()
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None) if sys.platform.startswith("linux") else None
+
+    def preexec() -> None:
+        if prctl is not None:
+            prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the line above: do not outlive it
+            os._exit(1)
+
+    return preexec
 
 
 def _stop_all(processes: list[subprocess.Popen]) -> None:
