@@ -14,3 +14,27 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Nothing the tests started may outlive them: no prefetch worker thread and no child process (Mooncake
+    services, tensor-parallel workers) at the end of the run; a leftover fails the run and is named."""
+    import gc
+    import threading
+    import time
+
+    import psutil
+
+    gc.collect()
+    deadline = time.monotonic() + 10  # processes being stopped get a moment to exit
+    while True:
+        threads = [t.name for t in threading.enumerate() if t.name.startswith("oasis-")]
+        children = [p for p in psutil.Process().children(recursive=True) if p.is_running()
+                    and p.status() != psutil.STATUS_ZOMBIE]
+        if not (threads or children) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if threads or children:
+        names = threads + [f"{p.name()} (pid {p.pid})" for p in children]
+        session.config.get_terminal_writer().line(f"left running after the tests: {', '.join(names)}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
