@@ -97,3 +97,17 @@ def test_a_model_not_on_the_oasis_attention_is_still_named():
     ids, mask = left_padded([60])
     with pytest.raises(UnsupportedError, match="not using the 'oasis' attention"):
         generate(model, ids, mask, oasis_cache(model))
+
+
+def test_a_cache_with_other_layer_types_is_refused():
+    """A cache whose layers are all full attention on a model whose first layers use a sliding window (same heads
+    and head dim): refused at the first sliding layer instead of attending over the whole sequence there."""
+    import copy
+
+    gemma = tiny_model("gemma3", attn="oasis")
+    config = copy.deepcopy(gemma.config)
+    config.layer_types = ["full_attention"] * config.num_hidden_layers
+    ids, mask = left_padded([60])
+    with pytest.raises(UnsupportedError, match="layer 0 attends over a sliding window.*OasisCache\\(model.config"):
+        generate(gemma, ids, mask, oasis_hf.OasisCache(config, oasis_hf.OasisConfig(block_size=16, sink_tokens=16,
+                                                                                    recent_tokens=32)))

@@ -52,6 +52,12 @@ def oasis_attention(
         return out, None
     if dropout:
         raise UnsupportedError("OasisCache is for inference: attention dropout must be 0 (call model.eval())")
+    if kwargs.get("sliding_window") is not None:
+        raise UnsupportedError(
+            f"model layer {getattr(module, 'layer_idx', '?')} attends over a sliding window, but this OasisCache "
+            f"holds it as a full-attention layer: the cache was built for a config with other layer types; build it "
+            "from this model's config: OasisCache(model.config, ...)"
+        )
     if query.is_cuda:  # a model split across GPUs runs this layer on its own device, whatever the current one is
         with torch.cuda.device(query.device):
             return layer.attend(query, key, value, attention_mask, scale), None
