@@ -28,8 +28,9 @@ def layer_types(config) -> list[str]:
     return [kind] * config.num_hidden_layers
 
 
-def sliding_window_layer(window: int) -> DynamicSlidingWindowLayer:
-    return DynamicSlidingWindowLayer(sliding_window=window)
+def sliding_window_layer(window: int, layer_class: type = DynamicSlidingWindowLayer) -> DynamicSlidingWindowLayer:
+    """A sliding-window cache layer of `layer_class` (transformers' `DynamicSlidingWindowLayer` or a subclass)."""
+    return layer_class(sliding_window=window)
 
 
 def cache_kwarg(model) -> str:

@@ -100,8 +100,9 @@ def test_a_model_not_on_the_oasis_attention_is_still_named():
 
 
 def test_a_cache_with_other_layer_types_is_refused():
-    """A cache whose layers are all full attention on a model whose first layers use a sliding window (same heads
-    and head dim): refused at the first sliding layer instead of attending over the whole sequence there."""
+    """Same heads and head dim, other layer types: a full-attention cache on a model whose first layers use a
+    sliding window, and a sliding-window cache on a model attending fully everywhere; refused at the first layer
+    that differs, instead of attending over the wrong span of tokens there."""
     import copy
 
     gemma = tiny_model("gemma3", attn="oasis")
@@ -111,3 +112,12 @@ def test_a_cache_with_other_layer_types_is_refused():
     with pytest.raises(UnsupportedError, match="layer 0 attends over a sliding window.*OasisCache\\(model.config"):
         generate(gemma, ids, mask, oasis_hf.OasisCache(config, oasis_hf.OasisConfig(block_size=16, sink_tokens=16,
                                                                                     recent_tokens=32)))
+    full = tiny_model("gemma3", attn="oasis")
+    full.config.layer_types = ["full_attention"] * full.config.num_hidden_layers
+    for layer in full.model.layers:  # every module attends over the whole sequence now
+        layer.self_attn.sliding_window = None
+        layer.attention_type = "full_attention"
+    with pytest.raises(UnsupportedError, match="layer 0 attends over the whole sequence.*sliding-window layer"):
+        generate(full, ids, mask, oasis_hf.OasisCache(gemma.config, oasis_hf.OasisConfig(block_size=16,
+                                                                                         sink_tokens=16,
+                                                                                         recent_tokens=32)))

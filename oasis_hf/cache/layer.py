@@ -26,7 +26,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer
 
 from oasis_hf.cache.block_table import INF, BlockTable
 from oasis_hf.cache.pinned import capturing
@@ -53,6 +53,25 @@ logger = logging.getLogger(__name__)
 
 #: Decode / verification forwards of at most this many tokens are captured in CUDA graphs (one graph per ``T``).
 GRAPH_MAX_TOKENS = 16
+
+
+_WINDOW_ATTR = "_oasis_window"
+
+
+def windowed(key: torch.Tensor) -> bool:
+    """Whether `key` was returned by one of an `OasisCache`'s sliding-window layers (the last W tokens only)."""
+    return getattr(key, _WINDOW_ATTR, False)
+
+
+class WindowLayer(DynamicSlidingWindowLayer):
+    """transformers' sliding-window cache layer, whose returned keys say so (`windowed`): the attention function
+    refuses them for a model layer that attends over the whole sequence (a cache built for other layer types)."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        handle = keys.view(keys.shape)  # a distinct tensor object over the same memory
+        setattr(handle, _WINDOW_ATTR, True)
+        return handle, values
 
 
 def layer_of(key: torch.Tensor) -> OasisLayer | None:

@@ -1,7 +1,7 @@
 """`OasisCache`: a `transformers.Cache` whose full-attention layers keep their KV in host memory.
 
 Full-attention layers become `OasisLayer`s; sliding-window layers (Gemma3, Qwen2 with sliding layers) stay on
-transformers' own `DynamicSlidingWindowLayer` (already bounded by the window). Any other layer type raises.
+transformers' `DynamicSlidingWindowLayer` (already bounded by the window; `WindowLayer` marks its keys). Any other layer type raises.
 
 Stream ordering (CUDA):
 
@@ -25,7 +25,7 @@ from transformers.configuration_utils import PretrainedConfig
 
 from oasis_hf import _compat
 from oasis_hf.cache.host_store import BlockStore, HostKVStore
-from oasis_hf.cache.layer import OasisLayer
+from oasis_hf.cache.layer import OasisLayer, WindowLayer
 from oasis_hf.cache.pinned import PinnedPool
 from oasis_hf.cache.prefetch import Prefetcher, background_stream
 from oasis_hf.cache.stats import OasisStats
@@ -78,7 +78,7 @@ class OasisCache(Cache):
             if kind == "full_attention":
                 layers.append(OasisLayer(self, idx))
             elif kind == "sliding_attention":
-                layers.append(_compat.sliding_window_layer(text_config.sliding_window))
+                layers.append(_compat.sliding_window_layer(text_config.sliding_window, WindowLayer))
             else:
                 raise UnsupportedError(
                     f"layer {idx} has type {kind!r}; OasisCache handles 'full_attention' and 'sliding_attention' "

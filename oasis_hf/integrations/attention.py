@@ -14,7 +14,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from oasis_hf import _compat
-from oasis_hf.cache.layer import layer_of
+from oasis_hf.cache.layer import layer_of, windowed
 from oasis_hf.errors import UnsupportedError
 from oasis_hf.integrations import capacity, fast_path
 from oasis_hf.kernels.dense import dense_attention
@@ -42,6 +42,12 @@ def oasis_attention(
         raise UnsupportedError("oasis attention does not implement logit soft-capping (Gemma2-style 'softcap')")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer = layer_of(key)
+    if layer is None and windowed(key) and kwargs.get("sliding_window") is None:
+        raise UnsupportedError(
+            f"model layer {getattr(module, 'layer_idx', '?')} attends over the whole sequence, but this OasisCache "
+            "holds it as a sliding-window layer (the last tokens only): the cache was built for a config with other "
+            "layer types; build it from this model's config: OasisCache(model.config, ...)"
+        )
     if layer is None:
         out = dense_attention(
             query, key, value, attention_mask, scale,
