@@ -1,7 +1,8 @@
 """`OasisCache`: a `transformers.Cache` whose full-attention layers keep their KV in host memory.
 
 Full-attention layers become `OasisLayer`s; sliding-window layers (Gemma3, Qwen2 with sliding layers) stay on
-transformers' `DynamicSlidingWindowLayer` (already bounded by the window; `WindowLayer` marks its keys). Any other layer type raises.
+transformers' `DynamicSlidingWindowLayer` (already bounded by the window; `WindowLayer` marks its keys). Any other
+layer type raises.
 
 Stream ordering (CUDA):
 
