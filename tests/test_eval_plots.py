@@ -392,3 +392,31 @@ def test_floor_bench_runs_every_kind_of_row_in_one_process(tmp_path, monkeypatch
     assert len(real) == 1 and real[0]["max_fetch_blocks"] == 3  # the plain-decoding rate, rounded up
     assert "6.00 per forward of 4.0 tokens" in real[0]["note"]
     assert out.with_suffix(".md").read_text().count("| floor |") == 2  # the kind column of the two floor rows
+
+
+def test_generate_path_bench_runs_its_decode_and_prefill_rows(tmp_path, monkeypatch):
+    """Plumbing only, on the CPU (no graphs, no timing asserted): per selector the DecodeGraph row, the
+    model.generate rows through the forward wrapper and the per-layer path (with the host profile of the loop), and
+    the prefill rows of dense and OasisKV (fresh and from a warm pool), with the fields the acceptance reads."""
+    import sys
+
+    from eval import bench_generate_path
+
+    out = tmp_path / "generate_path"
+    monkeypatch.setattr(sys, "argv", ["bench_generate_path", "--device", "cpu", "--points", "2x300",
+                                      "--prefill-points", "2x300", "--warmup", "1", "--repeats", "2",
+                                      "--out", str(out)])
+    bench_generate_path.main()
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert not [r for r in rows if r["kind"] == "error"], rows
+    decode = [r for r in rows if r["kind"] == "decode"]
+    assert sorted((r["selector"], r["path"]) for r in decode) == sorted(
+        (s, p) for s in ("static", "lookahead") for p in ("DecodeGraph", "model.generate", "model.generate (per-layer)"))
+    for row in decode:
+        assert {"path", "batch", "context", "ms_per_step"} <= set(row) and row["ms_per_step"] > 0
+        assert len(row["raw_ms"]) == 2 and (row["batch"], row["context"]) == (2, 300)
+    profiled = [r for r in decode if r["path"] == "model.generate"]
+    assert all(r["host profile (top own time)"] and r["host ms/step (profiled)"] > 0 for r in profiled)
+    prefill = {r["method"]: r for r in rows if r["kind"] == "prefill"}
+    assert set(prefill) == {"dense", "oasis", "oasis, warm host pool"}
+    assert all(r["seconds"] > 0 and r["batch"] == 2 and r["context"] == 300 for r in prefill.values())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
@@ -16,15 +17,60 @@ from tests.test_generate import generate, left_padded
 def test_release_during_capture_is_deferred_then_done(monkeypatch):
     """The unregistration (a device synchronisation) is queued while the thread captures and runs after it."""
     done = []
-    monkeypatch.setattr(pinned, "_unregister_now", done.append)
+    monkeypatch.setattr(pinned, "_unregister_now", lambda data, pointers: done.append((data, pointers)))
     monkeypatch.setattr(pinned, "_capturing", lambda: True)
     data = torch.empty(8, dtype=torch.uint8)
-    pinned._unregister(data)
-    assert done == [] and pinned._deferred == [data]
+    pinned._unregister(data, [data.data_ptr()])
+    assert done == [] and pinned._deferred == [(data, [data.data_ptr()])]
     assert pinned.release_deferred() == 0  # still capturing: nothing happens
     monkeypatch.setattr(pinned, "_capturing", lambda: False)
     assert pinned.release_deferred() == 1
-    assert done == [data] and pinned._deferred == []
+    assert done == [(data, [data.data_ptr()])] and pinned._deferred == []
+
+
+class _FakeCudart:
+    """cudaHostRegister / cudaHostUnregister that record their calls; the registration of `fail_at` fails."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.fail_at, self.registered, self.unregistered = fail_at, [], []
+        self.lock = threading.Lock()
+
+    def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 - the CUDA runtime's name
+        with self.lock:
+            if ptr == self.fail_at:
+                return 2  # cudaErrorMemoryAllocation
+            self.registered.append((ptr, size, flags))
+            return 0
+
+    def cudaHostUnregister(self, ptr):  # noqa: N802
+        with self.lock:
+            self.unregistered.append(ptr)
+            return 0
+
+
+def _raise_on_error(code):
+    if code:
+        raise RuntimeError(f"CUDA error {code}")
+
+
+def test_chunked_registration_locks_every_range_once_and_undoes_them_on_failure(monkeypatch):
+    """A buffer page-locked in chunks (the host store: one per layer) registers each range once, portable and
+    mapped, side by side; when one range fails the others are unregistered before the error is raised."""
+    base = 1 << 40
+    ranges = [(offset, 100) for offset in range(0, 1000, 100)] + [(1000, 7)]
+    fake = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "check_error", _raise_on_error)
+    pointers = pinned._register(base, ranges)
+    assert sorted(pointers) == [base + o for o, _ in ranges]
+    assert sorted(fake.registered) == [(base + o, n, 3) for o, n in ranges] and fake.unregistered == []
+    fake = _FakeCudart(fail_at=base + 500)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    with pytest.raises(RuntimeError, match="CUDA error 2"):
+        pinned._register(base, ranges)
+    assert sorted(fake.unregistered) == sorted(p for p, _, _ in fake.registered)
+    assert len(fake.registered) == len(ranges) - 1
+    assert not [t for t in threading.enumerate() if t.name.startswith("oasis-pin")]  # the workers are gone
 
 
 def test_capturing_turns_the_cyclic_collector_off_until_the_last_capture_ends():

@@ -171,7 +171,8 @@ class HostKVStore:
                 raise refused()
         shape = (self.batch_size, self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
         try:
-            buffer = buffer if buffer is not None else PinnedBuffer(nbytes, pin=self.pin)
+            # One registered range per layer (its K and V), page-locked by several threads at once.
+            buffer = buffer if buffer is not None else PinnedBuffer(nbytes, pin=self.pin, chunk_bytes=2 * per_tensor)
         except (RuntimeError, MemoryError) as exc:  # malloc or cudaHostRegister refused: nothing is kept
             raise refused() from exc
         keys = {layer: buffer.view(2 * i * per_tensor, shape, self.dtype) for i, layer in enumerate(self.layer_ids)}

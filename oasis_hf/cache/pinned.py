@@ -16,6 +16,7 @@ therefore deferred and carried out at the next safe point: the end of the captur
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import gc
 import logging
@@ -31,10 +32,15 @@ logger = logging.getLogger(__name__)
 _HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable
 _HOST_REGISTER_MAPPED = 0x02  # cudaHostRegisterMapped
 
-_deferred: list[torch.Tensor] = []  # buffers whose release arrived during a CUDA graph capture
+_deferred: list[tuple[torch.Tensor, list[int]]] = []  # buffers whose release arrived during a CUDA graph capture
 _deferred_lock = threading.Lock()
 _captures = 0  # captures of this package in progress, on any thread (see `capturing`)
 _gc_was_enabled = True  # the collector's state when the first of them began
+
+
+#: Threads that page-lock one buffer's chunks side by side (``cudaHostRegister`` faults in and locks every page of
+#: its range; the kernel does that for several ranges at once).
+PIN_THREADS = 8
 
 
 class PinnedBuffer:
@@ -44,23 +50,29 @@ class PinnedBuffer:
     ----------
     nbytes : size in bytes (exact; no rounding).
     pin : page-lock the memory (needs CUDA); ``False`` gives an ordinary (pageable) buffer.
+    chunk_bytes : page-lock the buffer as separate ranges of this many bytes (the last one shorter), registered by
+        up to `PIN_THREADS` threads at once; ``None`` registers it as one range. Zero-copy kernels may cross chunk
+        boundaries; a ``cudaMemcpy`` must stay inside one chunk (the host store makes a chunk one layer's K and V).
 
-    Raises `RuntimeError` (from the CUDA runtime) when the memory cannot be locked.
+    Raises `RuntimeError` (from the CUDA runtime) when the memory cannot be locked; nothing stays locked then.
     """
 
-    def __init__(self, nbytes: int, pin: bool) -> None:
+    def __init__(self, nbytes: int, pin: bool, chunk_bytes: int | None = None) -> None:
         if pin:
             release_deferred()
+        if chunk_bytes is not None and chunk_bytes < 1:
+            raise ValueError(f"PinnedBuffer chunk_bytes={chunk_bytes} must be positive")
         self.data = torch.empty(nbytes, dtype=torch.uint8)
         self.pinned = False
         self._finalizer = None
         if pin and nbytes > 0:
-            cudart = torch.cuda.cudart()
-            flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED
-            torch.cuda.check_error(cudart.cudaHostRegister(self.data.data_ptr(), nbytes, flags))
+            step = chunk_bytes or nbytes
+            ranges = [(start, min(step, nbytes - start)) for start in range(0, nbytes, step)]
+            base = self.data.data_ptr()
+            registered = _register(base, ranges)
             self.pinned = True
             # The callback holds the tensor, so the memory is unregistered before it can be freed.
-            self._finalizer = weakref.finalize(self, _unregister, self.data)
+            self._finalizer = weakref.finalize(self, _unregister, self.data, registered)
 
     def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of `shape` and `dtype` over bytes ``offset ..`` of the buffer (no copy)."""
@@ -83,8 +95,8 @@ def release_deferred() -> int:
     with _deferred_lock:
         pending = list(_deferred)
         _deferred.clear()
-    for data in pending:
-        _unregister_now(data)
+    for data, pointers in pending:
+        _unregister_now(data, pointers)
     return len(pending)
 
 
@@ -121,21 +133,50 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
-def _unregister(data: torch.Tensor) -> None:
+def _register(base: int, ranges: list[tuple[int, int]]) -> list[int]:
+    """Page-lock each ``(offset, nbytes)`` range of the memory at `base` (portable and mapped), several at once;
+    returns the registered pointers. On a failure the ranges locked so far are unregistered and the error raised."""
+    cudart = torch.cuda.cudart()
+    flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED
+
+    def one(span: tuple[int, int]) -> int:
+        offset, size = span
+        torch.cuda.check_error(cudart.cudaHostRegister(base + offset, size, flags))
+        return base + offset
+
+    if len(ranges) == 1:
+        return [one(ranges[0])]
+    done: list[int] = []
+    errors: list[BaseException] = []
+    with concurrent.futures.ThreadPoolExecutor(min(PIN_THREADS, len(ranges)), "oasis-pin") as workers:
+        for future in [workers.submit(one, span) for span in ranges]:
+            try:
+                done.append(future.result())
+            except Exception as exc:  # noqa: BLE001 - every range is waited for before the first error is raised
+                errors.append(exc)
+    if errors:
+        for ptr in done:
+            cudart.cudaHostUnregister(ptr)
+        raise errors[0]
+    return done
+
+
+def _unregister(data: torch.Tensor, pointers: list[int]) -> None:
     if _capturing():  # a device synchronisation now would invalidate the capture
         with _deferred_lock:
-            _deferred.append(data)
+            _deferred.append((data, pointers))
         logger.debug("pinned buffer release deferred until the CUDA graph capture ends")
         return
-    _unregister_now(data)
+    _unregister_now(data, pointers)
 
 
-def _unregister_now(data: torch.Tensor) -> None:
+def _unregister_now(data: torch.Tensor, pointers: list[int]) -> None:
     try:
         # A zero-copy kernel may still read or write the range: let every device finish first.
         for index in range(torch.cuda.device_count()):
             torch.cuda.synchronize(index)
-        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(data.data_ptr()))
+        for ptr in pointers:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(ptr))
     except Exception:  # noqa: BLE001 - at interpreter exit CUDA may already be torn down
         if sys.is_finalizing():
             return
