@@ -18,7 +18,8 @@ A random-weight Llama-3.1-8B-shaped model (bf16). Rows (``rows`` of the JSON):
   prompt (``logits_to_keep=1``), dense with transformers' `DynamicCache` and SDPA, OasisKV with a fresh cache whose
   host store is allocated and page-locked during the prefill (``oasis``, what a first ``generate`` call pays) and
   with its host buffer taken from a warm `PinnedPool` (``oasis, warm host pool``); the peak GPU memory each needed
-  beyond the weights.
+  beyond the weights; and both again with the prompt in ``--prefill-chunk`` chunks (what ``generate(...,
+  prefill_chunk_size=N)`` does), which bounds that memory.
 - ``{"kind": "pin"}``: page-locking ``--pin-gib`` GiB of host memory, by method (what a fresh host store costs).
 """
 
@@ -50,7 +51,6 @@ from eval.bench_decode import LLAMA_8B, TINY, build_model
 from eval.bench_floor import profile_families
 from eval.bench_multigpu import fill_random_kv, release_memory
 from eval.dense_baselines import GIB, dense_graphed_row
-from oasis_hf.cache import pinned
 from oasis_hf.cache.pinned import PinnedBuffer, PinnedPool
 
 logger = logging.getLogger("eval.bench_generate_path")
@@ -157,13 +157,14 @@ def decode_rows(model, selector: str, pool: PinnedPool, batch: int, context: int
 
 
 @torch.inference_mode()
-def prefill_rows(model, pool: PinnedPool, batch: int, context: int, profile: bool = False) -> list[dict]:
+def prefill_rows(model, pool: PinnedPool, batch: int, context: int, profile: bool = False,
+                 chunk: int | None = None) -> list[dict]:
     device = next(model.parameters()).device
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
     cfg = oasis_hf.OasisConfig(budget_tokens=2048 if context > 4096 else 256, selector="lookahead")
     rows = []
 
-    def run(method: str, make_cache, attn: str, note: str = "") -> dict:
+    def run(method: str, make_cache, attn: str, note: str = "", chunk: int | None = None) -> dict:
         release_memory()
         model.set_attn_implementation(attn)
         weights = torch.cuda.memory_allocated() if device.type == "cuda" else 0
@@ -172,7 +173,8 @@ def prefill_rows(model, pool: PinnedPool, batch: int, context: int, profile: boo
         cache = make_cache()
         synchronize()
         t0 = time.perf_counter()
-        model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for a in range(0, context, chunk or context):  # transformers' prefill_chunk_size does the same
+            model(ids[:, a : a + (chunk or context)], past_key_values=cache, use_cache=True, logits_to_keep=1)
         host = time.perf_counter() - t0
         if isinstance(cache, oasis_hf.OasisCache):
             cache.wait()  # the selection and the host write-back of the last layer
@@ -197,6 +199,10 @@ def prefill_rows(model, pool: PinnedPool, batch: int, context: int, profile: boo
     rows.append(run("oasis", pooled, "oasis", "fresh cache: its host store is allocated and page-locked during the "
                     "prefill (closing it hands the buffer to the pool)"))
     rows.append(run("oasis, warm host pool", pooled, "oasis", "host buffer taken from the PinnedPool"))
+    if chunk and chunk < context:  # bounded GPU memory: the prompt in chunks over the same cache
+        rows.append(run(f"dense, chunks of {chunk}", DynamicCache, "sdpa", "DynamicCache, sdpa", chunk))
+        rows.append(run(f"oasis, chunks of {chunk}", pooled, "oasis", "warm host pool; each chunk attends over the "
+                        "earlier tokens read back from host", chunk))
     if profile and device.type == "cuda":  # GPU time by kernel, one prefill each
         for row, attn, make in ((rows[0], "sdpa", DynamicCache), (rows[-1], "oasis", pooled)):
             model.set_attn_implementation(attn)
@@ -215,8 +221,8 @@ def prefill_rows(model, pool: PinnedPool, batch: int, context: int, profile: boo
 
 
 def pin_rows(gib: float) -> list[dict]:
-    """Seconds to page-lock `gib` GiB: cudaHostRegister of fresh memory, of memory touched first, and
-    torch's cudaHostAlloc."""
+    """Seconds to page-lock `gib` GiB: ``cudaHostRegister`` of fresh pages, `PinnedBuffer` (pages touched, then
+    locked, per range), and torch's ``cudaHostAlloc``."""
     nbytes = int(gib * GIB)
     rows = []
 
@@ -227,23 +233,16 @@ def pin_rows(gib: float) -> list[dict]:
         rows.append({"kind": "pin", "method": method, "seconds": seconds, "GB/s": nbytes / seconds / 1e9})
         del keep
 
-    timed("cudaHostRegister, one range (PinnedBuffer)", lambda: PinnedBuffer(nbytes, pin=True))
-    for threads in (4, pinned.PIN_THREADS, 16):
-        pinned.PIN_THREADS, default = threads, pinned.PIN_THREADS
-        try:
-            timed(f"cudaHostRegister, {nbytes // (GIB // 2)} ranges of 512 MiB, {threads} threads (PinnedBuffer)",
-                  lambda: PinnedBuffer(nbytes, pin=True, chunk_bytes=GIB // 2))
-        finally:
-            pinned.PIN_THREADS = default
-
-    def touched():
-        data = torch.zeros(nbytes, dtype=torch.uint8)
-        cudart = torch.cuda.cudart()
-        torch.cuda.check_error(cudart.cudaHostRegister(data.data_ptr(), nbytes, 3))
-        torch.cuda.check_error(cudart.cudaHostUnregister(data.data_ptr()))
+    def fresh():
+        data = torch.empty(nbytes, dtype=torch.uint8)
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(data.data_ptr(), nbytes, 3))
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(data.data_ptr()))
         return data
 
-    timed("torch.zeros (touch every page), then cudaHostRegister", touched)
+    timed("cudaHostRegister of fresh pages, one range", fresh)
+    timed("PinnedBuffer, one range (touch, then register)", lambda: PinnedBuffer(nbytes, pin=True))
+    timed(f"PinnedBuffer, {nbytes // (GIB // 2)} ranges of 512 MiB", lambda: PinnedBuffer(nbytes, pin=True,
+                                                                                          chunk_bytes=GIB // 2))
     timed("cudaHostAlloc (torch.empty(pin_memory=True))", lambda: torch.empty(nbytes, dtype=torch.uint8,
                                                                               pin_memory=True))
     return rows
@@ -259,6 +258,8 @@ def main() -> None:
     parser.add_argument("--max-fetch-blocks", type=int, default=5,
                         help="lookahead's cap per (seq, head, layer-step); 5: the real model's rate (eval.delta_rate)")
     parser.add_argument("--pin-gib", type=float, default=8.0, help="GiB for the page-locking rows (0: none)")
+    parser.add_argument("--prefill-chunk", type=int, default=8192,
+                        help="also prefill in chunks of this many tokens (0: no chunked rows)")
     parser.add_argument("--profile-prefill", action="store_true", help="GPU time by kernel of one prefill each")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
@@ -304,7 +305,8 @@ def main() -> None:
         attempt("page-locking", lambda: pin_rows(args.pin_gib))
     for text in args.prefill_points:
         batch, context = (int(x) for x in text.lower().split("x"))
-        attempt(f"prefill {text}", lambda b=batch, c=context: prefill_rows(model, pool, b, c, args.profile_prefill))
+        attempt(f"prefill {text}", lambda b=batch, c=context: prefill_rows(model, pool, b, c, args.profile_prefill,
+                                                                                  args.prefill_chunk))
         pool.clear()
     for text in args.points:
         batch, context = (int(x) for x in text.lower().split("x"))

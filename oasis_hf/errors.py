@@ -40,6 +40,10 @@ class HostMemoryError(OasisError, MemoryError):
         )
 
 
+class PinnedMemoryError(OasisError, MemoryError):
+    """Host memory was allocated but could not be page-locked (``cudaHostRegister`` refused it)."""
+
+
 class DeviceMemoryError(OasisError, MemoryError):
     """The GPU block pool cannot be allocated."""
 

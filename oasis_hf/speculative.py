@@ -142,11 +142,12 @@ def speculative_generate(
     draft_cuda_graphs : on CUDA, run each draft token as one CUDA graph replay over fixed-size draft K/V
         (`oasis_hf.draft.GraphedDraft`; needs a full-attention SDPA draft and no `draft_cache`): a small draft's
         eager forward costs about as much as the target's, which would cancel the gain of drafting.
-    target_graphs : run the target's verify forwards as whole-model CUDA graphs (`oasis_hf.DecodeGraph`; needs an
-        `OasisCache` whose every layer it manages): the host then issues one launch per round instead of the
-        model's eager Python and kernels. Measured on an H200 (Qwen2.5-Coder 1.5B/0.5B, 16k, batch 1): 38.9 against
-        27.9 tokens/s. Off by default because `DecodeGraph` refuses some caches (sliding layers, several devices,
-        the stale policy, `measure_recall`) rather than falling back.
+    target_graphs : always run the target's verify forwards as whole-model CUDA graphs (`oasis_hf.DecodeGraph`),
+        refusing a cache it cannot capture (sliding layers, several devices, the stale policy, `measure_recall`).
+        Without it the verify forwards are ``model(...)`` calls, which a model given to `oasis_hf.enable` routes to
+        the same graph whenever `OasisConfig.whole_step` is set and the cache allows it (eager otherwise, with the
+        reason logged once). Measured on an H200 (Qwen2.5-Coder 1.5B/0.5B, 16k, batch 1): 38.9 tokens/s through
+        the graph against 27.9 eager.
     draft_schedule : ``"adaptive"``: each round drafts one more token than the batch kept in the last round, at
         most `num_draft_tokens`, backing off to plain rounds after a failed one-draft round (`_DraftSchedule`);
         ``"constant"``: always `num_draft_tokens`. None (default): adaptive with a draft model, constant with

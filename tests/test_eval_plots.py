@@ -404,19 +404,21 @@ def test_generate_path_bench_runs_its_decode_and_prefill_rows(tmp_path, monkeypa
 
     out = tmp_path / "generate_path"
     monkeypatch.setattr(sys, "argv", ["bench_generate_path", "--device", "cpu", "--points", "2x300",
-                                      "--prefill-points", "2x300", "--warmup", "1", "--repeats", "2",
-                                      "--out", str(out)])
+                                      "--prefill-points", "2x300", "--prefill-chunk", "128", "--warmup", "1",
+                                      "--repeats", "2", "--out", str(out)])
     bench_generate_path.main()
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert not [r for r in rows if r["kind"] == "error"], rows
     decode = [r for r in rows if r["kind"] == "decode"]
+    paths = ("DecodeGraph", "model.generate", "model.generate (per-layer)")
     assert sorted((r["selector"], r["path"]) for r in decode) == sorted(
-        (s, p) for s in ("static", "lookahead") for p in ("DecodeGraph", "model.generate", "model.generate (per-layer)"))
+        (s, p) for s in ("static", "lookahead") for p in paths)
     for row in decode:
         assert {"path", "batch", "context", "ms_per_step"} <= set(row) and row["ms_per_step"] > 0
         assert len(row["raw_ms"]) == 2 and (row["batch"], row["context"]) == (2, 300)
     profiled = [r for r in decode if r["path"] == "model.generate"]
     assert all(r["host profile (top own time)"] and r["host ms/step (profiled)"] > 0 for r in profiled)
     prefill = {r["method"]: r for r in rows if r["kind"] == "prefill"}
-    assert set(prefill) == {"dense", "oasis", "oasis, warm host pool"}
+    assert set(prefill) == {"dense", "oasis", "oasis, warm host pool", "dense, chunks of 128",
+                            "oasis, chunks of 128"}
     assert all(r["seconds"] > 0 and r["batch"] == 2 and r["context"] == 300 for r in prefill.values())

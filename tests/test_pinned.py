@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from oasis_hf.cache import pinned
-from oasis_hf.errors import UnsupportedError
+from oasis_hf.errors import OasisError, UnsupportedError
 from tests._factories import oasis_cache, tiny_model
 from tests.test_generate import generate, left_padded
 
@@ -17,35 +17,37 @@ from tests.test_generate import generate, left_padded
 def test_release_during_capture_is_deferred_then_done(monkeypatch):
     """The unregistration (a device synchronisation) is queued while the thread captures and runs after it."""
     done = []
-    monkeypatch.setattr(pinned, "_unregister_now", lambda data, pointers: done.append((data, pointers)))
+    monkeypatch.setattr(pinned, "_unregister_now", lambda data, pinning: done.append((data, pinning)))
     monkeypatch.setattr(pinned, "_capturing", lambda: True)
     data = torch.empty(8, dtype=torch.uint8)
-    pinned._unregister(data, [data.data_ptr()])
-    assert done == [] and pinned._deferred == [(data, [data.data_ptr()])]
+    pinning = pinned._Pinning(data, [(0, 8)])
+    pinned._unregister(data, pinning)
+    assert done == [] and pinned._deferred == [(data, pinning)]
     assert pinned.release_deferred() == 0  # still capturing: nothing happens
     monkeypatch.setattr(pinned, "_capturing", lambda: False)
     assert pinned.release_deferred() == 1
-    assert done == [(data, [data.data_ptr()])] and pinned._deferred == []
+    assert done == [(data, pinning)] and pinned._deferred == []
 
 
 class _FakeCudart:
-    """cudaHostRegister / cudaHostUnregister that record their calls; the registration of `fail_at` fails."""
+    """cudaHostRegister / cudaHostUnregister that record their calls; registering `fail_at` fails, and registering
+    `hold_at` waits for `release` first."""
 
-    def __init__(self, fail_at: int | None = None) -> None:
-        self.fail_at, self.registered, self.unregistered = fail_at, [], []
-        self.lock = threading.Lock()
+    def __init__(self, fail_at: int | None = None, hold_at: int | None = None) -> None:
+        self.fail_at, self.hold_at, self.release = fail_at, hold_at, threading.Event()
+        self.registered, self.unregistered = [], []
 
     def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 - the CUDA runtime's name
-        with self.lock:
-            if ptr == self.fail_at:
-                return 2  # cudaErrorMemoryAllocation
-            self.registered.append((ptr, size, flags))
-            return 0
+        if ptr == self.hold_at:
+            self.release.wait(10)
+        if ptr == self.fail_at:
+            return 2  # cudaErrorMemoryAllocation
+        self.registered.append((ptr, size, flags))
+        return 0
 
     def cudaHostUnregister(self, ptr):  # noqa: N802
-        with self.lock:
-            self.unregistered.append(ptr)
-            return 0
+        self.unregistered.append(ptr)
+        return 0
 
 
 def _raise_on_error(code):
@@ -53,24 +55,94 @@ def _raise_on_error(code):
         raise RuntimeError(f"CUDA error {code}")
 
 
-def test_chunked_registration_locks_every_range_once_and_undoes_them_on_failure(monkeypatch):
-    """A buffer page-locked in chunks (the host store: one per layer) registers each range once, portable and
-    mapped, side by side; when one range fails the others are unregistered before the error is raised."""
-    base = 1 << 40
-    ranges = [(offset, 100) for offset in range(0, 1000, 100)] + [(1000, 7)]
-    fake = _FakeCudart()
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
-    monkeypatch.setattr(torch.cuda, "check_error", _raise_on_error)
-    pointers = pinned._register(base, ranges)
-    assert sorted(pointers) == [base + o for o, _ in ranges]
-    assert sorted(fake.registered) == [(base + o, n, 3) for o, n in ranges] and fake.unregistered == []
-    fake = _FakeCudart(fail_at=base + 500)
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
-    with pytest.raises(RuntimeError, match="CUDA error 2"):
-        pinned._register(base, ranges)
-    assert sorted(fake.unregistered) == sorted(p for p, _, _ in fake.registered)
-    assert len(fake.registered) == len(ranges) - 1
-    assert not [t for t in threading.enumerate() if t.name.startswith("oasis-pin")]  # the workers are gone
+@pytest.fixture
+def fake_cudart(monkeypatch):
+    def install(**kwargs):
+        fake = _FakeCudart(**kwargs)
+        monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+        monkeypatch.setattr(torch.cuda, "check_error", _raise_on_error)
+        return fake
+    return install
+
+
+def _pin_threads():
+    return [t for t in threading.enumerate() if t.name == "oasis-pin"]
+
+
+def test_chunked_pinning_locks_every_range_once_in_order_and_unlocks_them_on_release(fake_cudart):
+    """A buffer locked in chunks (the host store: one per layer) registers each range once, portable and mapped,
+    in address order, after touching its pages; release unregisters every range."""
+    fake = fake_cudart()
+    buf = pinned.PinnedBuffer(1007, pin=True, chunk_bytes=100)
+    base = buf.data.data_ptr()
+    assert fake.registered == [(base + o, min(100, 1007 - o), 3) for o in range(0, 1007, 100)]
+    assert buf.pinned and torch.count_nonzero(buf.data) == 0  # touched (zeroed) before locking
+    buf.ready()
+    buf.release()
+    assert fake.unregistered == [p for p, _, _ in fake.registered]
+    buf.release()  # idempotent
+    assert len(fake.unregistered) == 11
+
+
+def _point_at(monkeypatch, fake, attr: str, offset: int) -> None:
+    """Set the fake's `attr` (fail_at / hold_at) to byte `offset` of each buffer as its locking starts."""
+    original = pinned._Pinning.run
+
+    def run(self):
+        setattr(fake, attr, self.data.data_ptr() + offset)
+        original(self)
+
+    monkeypatch.setattr(pinned._Pinning, "run", run)
+
+
+def test_a_failed_range_unlocks_the_others_and_raises_a_pinned_memory_error(fake_cudart, monkeypatch):
+    """In the foreground the constructor raises and unlocks what it locked; in the background `ready` raises, for
+    any range, and the locked ranges are unregistered on release."""
+    fake = fake_cudart()
+    _point_at(monkeypatch, fake, "fail_at", 500)
+    with pytest.raises(OasisError, match="ulimit -l"):
+        pinned.PinnedBuffer(1000, pin=True, chunk_bytes=100)
+    assert len(fake.registered) == 5 and fake.unregistered == [p for p, _, _ in fake.registered]
+    fake.registered.clear(), fake.unregistered.clear()
+    buf = pinned.PinnedBuffer(1000, pin=True, chunk_bytes=100, background=True)
+    with pytest.raises(OasisError, match="page-locking 1000 bytes of host memory failed"):
+        buf.ready(900, 100)
+    with pytest.raises(MemoryError):
+        buf.ready(0, 100)  # the error stands for every range once it happened
+    assert len(fake.registered) == 5 and fake.unregistered == []  # until release: kernels may use those ranges
+    buf.release()
+    assert len(fake.unregistered) == 5 and not _pin_threads()
+
+
+def test_background_pinning_serves_each_range_once_it_is_locked(fake_cudart, monkeypatch):
+    """`ready` for an early range returns while a later one is still being locked; the thread ends with the last
+    range; a buffer released mid-way stops locking and unregisters what it locked."""
+    fake = fake_cudart()
+    _point_at(monkeypatch, fake, "hold_at", 300)
+    try:
+        buf = pinned.PinnedBuffer(600, pin=True, chunk_bytes=100, background=True)
+        buf.ready(0, 300)  # ranges 0-2 are locked; range 3 waits
+        assert len(fake.registered) == 3 and _pin_threads()
+        waiter = threading.Thread(target=buf.ready, args=(300, 100))
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive()  # still waiting for range 3
+        fake.release.set()
+        waiter.join(10)
+        assert not waiter.is_alive()
+        buf.ready()
+        assert len(fake.registered) == 6
+        buf.release()
+        assert len(fake.unregistered) == 6 and not _pin_threads()
+
+        fake.release.clear()
+        buf = pinned.PinnedBuffer(600, pin=True, chunk_bytes=100, background=True)
+        buf.ready(0, 300)
+        threading.Timer(0.2, fake.release.set).start()
+        buf.release()  # stops after the range in progress
+        assert len(fake.unregistered) - 6 == len(fake.registered) - 6 < 6 and not _pin_threads()
+    finally:
+        fake.release.set()
 
 
 def test_capturing_turns_the_cyclic_collector_off_until_the_last_capture_ends():
@@ -218,3 +290,23 @@ def test_pool_keeps_at_most_max_buffers_smallest_released_first():
     assert pool.take(250, pin=False) is None and pool.take(250, pin=True) is None
     assert pool.take(150, pin=False).data.numel() == 200
     assert pool.free_bytes == 0 and pool.reused == 2
+
+
+@pytest.mark.gpu
+def test_background_pinned_buffer_is_written_by_the_gpu_once_ready():
+    """A buffer locked in chunks on the pinning thread: the GPU writes each range (zero-copy) after `ready`, and
+    the host reads back what it wrote; release unregisters every chunk (a second register of the range succeeds)."""
+    from oasis_hf.kernels import copy_rows
+
+    buf = pinned.PinnedBuffer(64 << 20, pin=True, chunk_bytes=8 << 20, background=True)
+    src = torch.arange(64 << 18, dtype=torch.float32, device="cuda").view(-1, 1024)  # 64 MiB
+    dst = buf.view(0, tuple(src.shape), torch.float32)
+    rows = torch.arange(src.shape[0], device="cuda") * 1024
+    buf.ready()
+    copy_rows(src, rows, dst, rows, 1024)
+    torch.cuda.synchronize()
+    assert torch.equal(dst, src.cpu())
+    buf.release()
+    ptr = buf.data.data_ptr()
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(ptr, 64 << 20, 0))  # was unregistered
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(ptr))

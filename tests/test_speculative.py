@@ -361,12 +361,15 @@ def test_graphed_draft_on_cuda_replays_and_stays_exact(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_lookahead_job_graphs_survive_rejections_at_batch_4(monkeypatch):
+@pytest.mark.parametrize("whole_step", [False, True])
+def test_lookahead_job_graphs_survive_rejections_at_batch_4(monkeypatch, whole_step):
     """Batch 4 on CUDA with a random draft (most drafts rejected, so `drop_rejected` narrows eager selection jobs):
     the job graph of each ``T`` is captured after a full-width warm-up and the output stays the target's greedy
     output (the budget covers the sequences, so OasisKV is exact; the jobs still score, plan and fetch). Each eager
     job waits 50 ms in the worker before it starts, so the crop after its forward finds it unstarted and narrows it
-    (otherwise whether it did depends on the worker thread's timing)."""
+    (otherwise whether it did depends on the worker thread's timing). With ``whole_step`` (the default) the verify
+    forwards replay the whole-step graph (`oasis_hf.DecodeGraph`, through `oasis_hf.enable`'s forward wrapper)
+    instead, with the same output."""
     import time
 
     from oasis_hf.cache import layer as layer_module
@@ -382,9 +385,12 @@ def test_lookahead_job_graphs_survive_rejections_at_batch_4(monkeypatch):
     ids, mask = left_padded([300, 177, 240, 260], seed=7)
     ids, mask = ids.cuda(), mask.cuda()
     ref = greedy_reference(tiny_model("llama", layers=2, device="cuda"), ids, mask)
-    cache = oasis_cache(target, budget_tokens=512, selector="lookahead")
+    cache = oasis_cache(target, budget_tokens=512, selector="lookahead", whole_step=whole_step)
     out = speculative_generate(target, tiny_model("qwen2", layers=1, device="cuda"), ids, mask, cache=cache,
                                max_new_tokens=NEW, num_draft_tokens=4)
     assert torch.equal(out.sequences, ref)
+    if whole_step:
+        assert cache.graph_runner is not None and cache.graph_runner.replays > 0, "the verify forwards ran eagerly"
+        return
     assert any(layer._job_graphs for layer in cache.layers), "no selection job was captured"
     assert cache.stats.narrowed_jobs > 0, "no job was narrowed: the test does not cover the warm-up it is about"

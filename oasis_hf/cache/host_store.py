@@ -73,6 +73,12 @@ class _Segment:
     keys: dict[int, torch.Tensor]  # layer_idx -> (B, H_kv, NB_seg, BS, D), views of `buffer`
     values: dict[int, torch.Tensor]
     buffer: PinnedBuffer
+    span_bytes: int  # one layer's K and V: layer i holds bytes i * span_bytes .. (i + 1) * span_bytes - 1
+    order: dict[int, int]  # layer_idx -> its position in the buffer
+
+    def ready(self, layer: int) -> None:
+        """Wait until `layer`'s range is page-locked (a fresh buffer is locked in the background, in layer order)."""
+        self.buffer.ready(self.order[layer] * self.span_bytes, self.span_bytes)
 
 
 class HostKVStore:
@@ -171,14 +177,17 @@ class HostKVStore:
                 raise refused()
         shape = (self.batch_size, self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
         try:
-            # One registered range per layer (its K and V), page-locked by several threads at once.
-            buffer = buffer if buffer is not None else PinnedBuffer(nbytes, pin=self.pin, chunk_bytes=2 * per_tensor)
+            # One registered range per layer (its K and V), page-locked in layer order on a thread: a prefill's
+            # write-back of layer i waits for range i only, so the locking overlaps the GPU work of the layers.
+            buffer = buffer if buffer is not None else PinnedBuffer(nbytes, pin=self.pin, chunk_bytes=2 * per_tensor,
+                                                                    background=True)
         except (RuntimeError, MemoryError) as exc:  # malloc or cudaHostRegister refused: nothing is kept
             raise refused() from exc
         keys = {layer: buffer.view(2 * i * per_tensor, shape, self.dtype) for i, layer in enumerate(self.layer_ids)}
         values = {layer: buffer.view((2 * i + 1) * per_tensor, shape, self.dtype)
                   for i, layer in enumerate(self.layer_ids)}
-        self.segments.append(_Segment(self.capacity_blocks, num_blocks, keys, values, buffer))
+        order = {layer: i for i, layer in enumerate(self.layer_ids)}
+        self.segments.append(_Segment(self.capacity_blocks, num_blocks, keys, values, buffer, 2 * per_tensor, order))
         self.capacity_blocks += num_blocks
         logger.debug("host store: +%d blocks (%.1f MiB, pinned=%s)", num_blocks, nbytes / 2**20, self.pin)
 
@@ -229,6 +238,7 @@ class HostKVStore:
             lo, hi = max(start, seg.start_block * bs), min(end, (seg.start_block + seg.num_blocks) * bs)
             if lo >= hi:
                 continue
+            seg.ready(layer)
             for src, dst in ((keys, seg.keys[layer]), (values, seg.values[layer])):
                 part = src[:, :, lo - start : hi - start]
                 flat = dst.view(self.batch_size, self.num_kv_heads, seg.num_blocks * bs, self.head_dim)
@@ -261,6 +271,7 @@ class HostKVStore:
         no host synchronisation: the decode step captures this inside its CUDA graph.
         """
         for seg in self.segments:
+            seg.ready(layer)
             write_tokens(keys, values, start, seg.keys[layer], seg.values[layer], seg.start_block)
 
     def _bh(self, batch: int, heads: int, device) -> torch.Tensor:
@@ -295,6 +306,7 @@ class HostKVStore:
             )
         gather = gather_blocks if pool_k.is_cuda else gather_blocks_ref
         for seg in self.segments:
+            seg.ready(layer)
             gather(seg.keys[layer], seg.values[layer], pool_k, pool_v, blocks, slots, valid, seg.start_block,
                    max_programs)
 
@@ -315,6 +327,7 @@ class HostKVStore:
             lo, hi = seg.start_block, min(seg.start_block + seg.num_blocks, nb)
             if lo >= hi:
                 continue
+            seg.ready(layer)
             if device.type == "cuda" and self.pin:
                 bh = self._bh(batch, heads, device)
                 local = torch.arange(hi - lo, device=device)
