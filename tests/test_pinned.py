@@ -116,11 +116,13 @@ def test_a_failed_range_unlocks_the_others_and_raises_a_pinned_memory_error(fake
 
 def test_background_pinning_serves_each_range_once_it_is_locked(fake_cudart, monkeypatch):
     """`ready` for an early range returns while a later one is still being locked; the thread ends with the last
-    range; a buffer released mid-way stops locking and unregisters what it locked."""
+    range; a buffer released mid-way stops locking and unregisters what it locked. The buffer is made under
+    inference mode (as a generate call makes the host store), which the pinning thread does not share."""
     fake = fake_cudart()
     _point_at(monkeypatch, fake, "hold_at", 300)
     try:
-        buf = pinned.PinnedBuffer(600, pin=True, chunk_bytes=100, background=True)
+        with torch.inference_mode():
+            buf = pinned.PinnedBuffer(600, pin=True, chunk_bytes=100, background=True)
         buf.ready(0, 300)  # ranges 0-2 are locked; range 3 waits
         assert len(fake.registered) == 3 and _pin_threads()
         waiter = threading.Thread(target=buf.ready, args=(300, 100))

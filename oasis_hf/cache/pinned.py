@@ -174,7 +174,10 @@ class _Pinning:
             if self.stopped:
                 return
             try:
-                self.data[offset : offset + size].zero_()  # faults the pages in (parallel), then lock them
+                # Faults the pages in (a parallel fill), then locks them. Inference mode is per thread: a buffer
+                # made under it is an inference tensor, which only inference mode may write.
+                with torch.inference_mode():
+                    self.data[offset : offset + size].zero_()
                 torch.cuda.check_error(cudart.cudaHostRegister(base + offset, size, flags))
             except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
                 with self.condition:  # the locked ranges stay until release: kernels may be using them
