@@ -93,3 +93,32 @@ def test_left_padded_prefill_on_cuda_matches_the_masked_path(monkeypatch):
     monkeypatch.setattr(dense, "_left_padded_prefill", lambda *a: None)
     masked = dense_attention(query, key, value, mask, scale=128**-0.5)
     torch.testing.assert_close(fast, masked, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_a_query_chunk_shorter_than_the_keys_takes_the_lower_right_causal_kernel(kv_heads, monkeypatch):
+    """No padding, T < L (a prefill chunk, a verification forward): one SDPA call with the lower-right causal bias
+    (no mask built, no GQA expansion), equal to the position-by-position reference."""
+    query, key, value = inputs(kv_heads=kv_heads)
+    calls = []
+    real = dense.causal_lower_right
+    monkeypatch.setattr(dense, "causal_lower_right", lambda *a: calls.append(a) or real(*a))
+    for tokens in (2, 7, 23):
+        calls.clear()
+        q = query[:, :, -tokens:]
+        torch.testing.assert_close(dense_attention(q, key, value, None, scale=0.3),
+                                   reference(q, key, value, None, 0.3).float())
+        assert calls == [(tokens, 24)]
+
+
+@pytest.mark.gpu
+def test_lower_right_causal_chunk_on_cuda_matches_the_masked_path(monkeypatch):
+    """bf16 on CUDA, Llama-8B heads (32 query, 8 KV, head dim 128): a 1,024-token chunk over 4,096 keys through the
+    fused lower-right causal kernel against the explicit-mask path."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    query = torch.randn(2, 32, 1024, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
+    key, value = (torch.randn(2, 8, 4096, 128, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    fast = dense_attention(query, key, value, None, scale=128**-0.5)
+    masked = dense_attention(query, key, value, torch.ones(2, 4096, dtype=torch.bool, device="cuda"),
+                             scale=128**-0.5)  # a mask without padding: the explicit path
+    torch.testing.assert_close(fast, masked, atol=2e-2, rtol=2e-2)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 _MASK_ELEMS = 1 << 27  # at most 128 Mi mask entries per chunk
 
@@ -41,6 +42,15 @@ def dense_attention(
         out = F.scaled_dot_product_attention(
             query, key, value, dropout_p=dropout, scale=scale, enable_gqa=gqa,
             is_causal=is_causal and num_tokens == kv_len and num_tokens > 1,
+        )  # fmt: skip
+        return out.transpose(1, 2)
+    if padding_mask is None and sliding_window is None and is_causal and 1 < num_tokens < kv_len:
+        # The last T of L positions (a prefill chunk, a verification forward): lower-right causal, a fused kernel
+        # without a mask in memory (the explicit-mask path below takes the memory-efficient kernel over GQA-expanded
+        # K/V, several times slower on a long chunk).
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=causal_lower_right(num_tokens, kv_len), dropout_p=dropout, scale=scale,
+            enable_gqa=gqa,
         )  # fmt: skip
         return out.transpose(1, 2)
     if (padding_mask is not None and sliding_window is None and is_causal and num_tokens == kv_len > 1
