@@ -223,3 +223,28 @@ def test_generate_on_cuda_replays_the_whole_step_graph(selector):
     with oasis_cache(model, **fields) as cache:
         assert torch.equal(generate(model, ids[:1], mask[:1], cache, assistant_model=draft), ref)
         assert cache.graph_runner.steps > 0
+
+
+def test_the_pipeline_takes_the_graph_path(graph_on_cpu, monkeypatch):
+    """`oasis_hf.text_generation_pipeline` (its own fresh cache per call) decodes through the cache's DecodeGraph
+    with nothing but the pipeline call, and gives the text of the eager path."""
+    from oasis_hf.cache.oasis_cache import OasisCache
+    from tests._factories import tiny_tokenizer, words
+
+    steps = []
+    close = OasisCache.close
+
+    def record(cache):
+        steps.append(cache.graph_runner.steps if cache.graph_runner is not None else 0)
+        close(cache)
+
+    monkeypatch.setattr(OasisCache, "close", record)
+    tok, prompt = tiny_tokenizer(), words(150, seed=1)
+    cfg = dict(block_size=16, sink_tokens=16, recent_tokens=32, budget_tokens=128)
+    texts = []
+    for whole_step in (False, True):
+        pipe = oasis_hf.text_generation_pipeline(tiny_model("llama"), tok, oasis_hf.OasisConfig(**cfg,
+                                                                                                 whole_step=whole_step))
+        texts.append(pipe(prompt, max_new_tokens=12, do_sample=False)[0]["generated_text"])
+    assert texts[0] == texts[1]
+    assert steps == [0, 11]  # the prefill, then 11 decode forwards through the graph
