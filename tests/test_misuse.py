@@ -1,10 +1,12 @@
 """Misuse of a cache is refused with an error that names the problem and the fix, before it changes any state:
-a closed cache, one cache fed from two threads, a cache built for another model, a cache left mid-forward."""
+a closed cache, one cache fed from two threads, a cache built for another model, a cache left mid-forward, a cache
+reused for another prompt."""
 
 import threading
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 import oasis_hf
 from oasis_hf import OasisError, UnsupportedError
@@ -121,3 +123,35 @@ def test_a_cache_with_other_layer_types_is_refused():
         generate(full, ids, mask, oasis_hf.OasisCache(gemma.config, oasis_hf.OasisConfig(block_size=16,
                                                                                          sink_tokens=16,
                                                                                          recent_tokens=32)))
+
+
+def test_a_cache_reused_for_another_prompt_is_refused_and_a_continuation_is_not():
+    """A second generate call on a cache holding tokens: a prompt of no more tokens than it holds, or one that does
+    not start with the previous output, is refused before any forward (the cache keeps its tokens); the previous
+    output continued gives the tokens a DynamicCache continued the same way gives; after reset() any prompt goes."""
+    model = oasis_hf.enable(tiny_model("llama"))
+    ids, mask = left_padded([150, 97])
+    other, other_mask = left_padded([150, 97], seed=5)
+    dense, kv = tiny_model("llama"), DynamicCache()
+    step = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    out = dense.generate(input_ids=ids, attention_mask=mask, past_key_values=kv, **step)
+    whole = dense.generate(input_ids=out, attention_mask=torch.cat([mask, torch.ones_like(out[:, ids.shape[1]:])],
+                                                                   dim=1), past_key_values=kv, **step)
+    with oasis_cache(model) as cache:
+        first = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6,
+                               do_sample=False, pad_token_id=0)
+        held = cache.get_seq_length()
+        with pytest.raises(UnsupportedError, match=rf"already holds {held} tokens.*no more than.*cache.reset\(\)"):
+            generate(model, other, other_mask, cache)
+        longer = torch.cat([other, first[:, :8]], dim=1)
+        with pytest.raises(UnsupportedError, match="does not start with the tokens of its previous generate call"):
+            generate(model, longer, torch.ones_like(longer), cache)
+        assert cache.get_seq_length() == held  # nothing ran
+        full_mask = torch.cat([mask, torch.ones_like(first[:, ids.shape[1]:])], dim=1)
+        again = model.generate(input_ids=first, attention_mask=full_mask, past_key_values=cache, max_new_tokens=6,
+                               do_sample=False, pad_token_id=0)
+        assert torch.equal(again, whole)
+        cache.reset()
+        fresh = generate(model, other, other_mask, cache)
+    with oasis_cache(model) as cache:
+        assert torch.equal(fresh, generate(model, other, other_mask, cache))
