@@ -18,8 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 logger = logging.getLogger("oasis_hf.cli")
 
 
@@ -49,6 +47,8 @@ def _run(model, tokenizer, prompt: str, cache, max_new_tokens: int, draft=None, 
         kwargs["prefill_chunk_size"] = prefill_chunk
     if cache is not None:
         kwargs[_compat.cache_kwarg(model)] = cache
+    import torch
+
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
@@ -64,7 +64,9 @@ def _stats_line(result: dict, cache) -> str:
     if cache is not None:
         stats = cache.stats.summary()
         dense = cache.dense_nbytes()
-        parts.append(f"GPU KV {cache.device_nbytes() / 2**20:.1f} MiB vs dense {dense / 2**20:.1f} MiB "
+        where = "GPU KV" if any(layer.device.type == "cuda" for layer in cache.oasis_layers if layer.is_initialized) \
+            else "KV on the model's device"
+        parts.append(f"{where} {cache.device_nbytes() / 2**20:.1f} MiB vs dense {dense / 2**20:.1f} MiB "
                      f"({cache.device_nbytes() / max(1, dense):.2f}x)")
         parts.append(f"fetched {stats['fetched_blocks']} blocks")
         if stats["prefetch_jobs"]:
@@ -120,6 +122,8 @@ def passkey_prompt(num_tokens: int, tokenizer, seed: int = 0) -> tuple[str, str]
 
 
 def cmd_demo(args) -> int:
+    import torch
+
     import oasis_hf
     from oasis_hf import models
 
@@ -209,7 +213,7 @@ def cmd_eval(args) -> int:
 # ------------------------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
     from oasis_hf import models
-    from oasis_hf.selectors import SELECTORS
+    from oasis_hf.selectors import NAMES
 
     parser = argparse.ArgumentParser(prog="oasis-hf", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -223,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when present)")
         p.add_argument("--budget", type=int, default=budget_default,
                        help="GPU KV budget per sequence, KV head and layer, in tokens")
-        p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
+        p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default %(default)s)")
         p.add_argument("--prompt-lookup", type=int, default=3, metavar="N",
                        help="draft N tokens by prompt lookup each step (0: off; default 3)")
 
@@ -233,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-file", help="read the prompt from this file")
     gen.add_argument("--draft", help="draft (assistant) model: packaged name, folder or Hub id")
     gen.add_argument("--block-size", type=int, default=32, help="tokens per KV block (power of two, 16..256)")
-    gen.add_argument("--selector", default="lookahead", choices=sorted(SELECTORS), help="block selection policy")
+    gen.add_argument("--selector", default="lookahead", choices=sorted(NAMES), help="block selection policy")
     gen.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                      help="prefill the prompt N tokens at a time (each chunk attends exactly over the K/V read back "
                           "from host memory, so GPU memory holds one layer's K/V at a time); default: one prefill")

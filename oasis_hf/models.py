@@ -14,22 +14,29 @@ working: `load` passes anything that is not a registry name to ``from_pretrained
 from __future__ import annotations
 
 import contextlib
+import difflib
 import fcntl
 import hashlib
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import urllib.parse
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from tqdm.auto import tqdm
 
 from oasis_hf.errors import OasisError
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -165,18 +172,22 @@ def load(name_or_path: str, device: str | None = None, dtype: torch.dtype | None
     again (30-75 s for the 1.5B on a CPU core). It takes about 2 bytes per parameter in bfloat16, 4 in float32; a
     read-only or full disk only logs a warning.
     """
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
     if name_or_path not in REGISTRY:
+        if not Path(name_or_path).expanduser().exists():
+            _refuse_unreachable(name_or_path)
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
         return model.to(device).eval(), tokenizer
     try:
         import gguf  # noqa: F401
     except ImportError as exc:
-        raise OasisError("loading packaged GGUF models needs the gguf package: pip install 'oasis_hf[models]'") from exc
+        raise OasisError("loading packaged GGUF models needs the gguf package: pip install 'gguf>=0.10' (in a "
+                         "source checkout: pip install -e '.[models]')") from exc
     path = assemble(name_or_path)
     # Rebuilding the tokenizer from GGUF metadata takes 10-55 s; keep the converted one next to the file.
     saved = path.parent / "tokenizer"
@@ -190,6 +201,41 @@ def load(name_or_path: str, device: str | None = None, dtype: torch.dtype | None
             logger.warning("could not cache the converted tokenizer at %s: %s", saved, exc)
     model = converted_model(path, dtype, REGISTRY[name_or_path].sha256, cache=cache_weights)
     return model.to(device).eval(), tokenizer
+
+
+def hub_reachable(timeout: float = 2.0) -> bool:
+    """Whether the Hugging Face Hub can be asked for a model: not offline (``HF_HUB_OFFLINE``,
+    ``TRANSFORMERS_OFFLINE``) and its host accepts a connection within `timeout` seconds (name lookup included)."""
+    if any(os.environ.get(var, "").strip().lower() in ("1", "on", "yes", "true")
+           for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+        return False
+    host = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, 443), timeout=timeout).close()
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    worker = threading.Thread(target=probe, name="oasis-hub-probe", daemon=True)  # a name lookup ignores timeouts
+    worker.start()
+    worker.join(timeout * 2)
+    return bool(result and result[0])
+
+
+def _refuse_unreachable(name: str) -> None:
+    """An unknown name that is no local path: fail at once, naming the packaged models, when the Hub cannot answer
+    (transformers would retry for about a minute and then print a generic message)."""
+    if hub_reachable():
+        return
+    close = difflib.get_close_matches(name.lower(), list(REGISTRY), n=2, cutoff=0.4)
+    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    raise OasisError(
+        f"unknown model {name!r}: not a packaged model, not a local folder, and the Hugging Face Hub cannot be "
+        f"reached (offline, or no network).{hint} Packaged models: {', '.join(sorted(REGISTRY))} (`oasis-hf models`)"
+    )
 
 
 @contextlib.contextmanager

@@ -113,3 +113,45 @@ def test_cache_lock_serialises_and_runs_unlocked_where_it_cannot_lock(tmp_path):
     with models.cache_lock(tmp_path / "file" / "x.lock"):
         order.append("unlocked")
     assert order[-1] == "unlocked"
+
+
+def test_an_unknown_name_fails_at_once_when_the_hub_cannot_answer(monkeypatch, tmp_path):
+    """Neither packaged nor a local folder, with the Hub offline or unreachable: an OasisError naming the packaged
+    models (and the close one) before transformers is asked; with the Hub reachable, or for a local folder, the
+    name goes to ``from_pretrained``."""
+    asked = []
+
+    def from_pretrained(name, **kwargs):
+        asked.append(str(name))
+        raise OSError("stop here")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(models.OasisError, match=r"unknown model 'smollm2'.*Did you mean 'smollm2-135m-instruct'\?"
+                                                r".*gemma-3-270m, qwen2.5-coder-0.5b-instruct"):
+        models.load("smollm2", device="cpu")
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(models, "hub_reachable", lambda timeout=2.0: False)
+    with pytest.raises(models.OasisError, match="cannot be reached"):
+        models.load("someone/some-model", device="cpu")
+    assert asked == []
+    with pytest.raises(OSError, match="stop here"):
+        models.load(str(tmp_path), device="cpu")  # a local folder: transformers reads it
+    monkeypatch.setattr(models, "hub_reachable", lambda timeout=2.0: True)
+    with pytest.raises(OSError, match="stop here"):
+        models.load("someone/some-model", device="cpu")
+    assert asked == [str(tmp_path), "someone/some-model"]
+
+
+def test_hub_reachable_is_false_offline_and_without_a_route(monkeypatch):
+    """The probe: offline variables answer without a connection; an endpoint nothing listens on answers False
+    within its timeout."""
+    import time
+
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    assert models.hub_reachable() is False
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", "https://127.0.0.1")  # port 443 on localhost: refused at once
+    t0 = time.perf_counter()
+    assert models.hub_reachable(timeout=1.0) is False
+    assert time.perf_counter() - t0 < 3.0
