@@ -17,6 +17,7 @@ import contextlib
 import difflib
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -189,18 +190,68 @@ def load(name_or_path: str, device: str | None = None, dtype: torch.dtype | None
         raise OasisError("loading packaged GGUF models needs the gguf package: pip install 'gguf>=0.10' (in a "
                          "source checkout: pip install -e '.[models]')") from exc
     path = assemble(name_or_path)
-    # Rebuilding the tokenizer from GGUF metadata takes 10-55 s; keep the converted one next to the file.
-    saved = path.parent / "tokenizer"
-    if (saved / "tokenizer_config.json").is_file():
-        tokenizer = AutoTokenizer.from_pretrained(saved)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        try:
-            tokenizer.save_pretrained(saved)
-        except OSError as exc:  # a read-only cache still loads, only slower next time
-            logger.warning("could not cache the converted tokenizer at %s: %s", saved, exc)
+    tokenizer = load_tokenizer(path)
     model = converted_model(path, dtype, REGISTRY[name_or_path].sha256, cache=cache_weights)
     return model.to(device).eval(), tokenizer
+
+
+#: Text whose token ids a cached tokenizer must reproduce (words, digits, punctuation, spacing, non-ASCII).
+TOKENIZER_PROBE = ("The quick brown fox jumps over the lazy dog: 60494 apples, 3.5 kg, naïve café!\n"
+                   "    def f(x):\n        return x ** 2  # comment")
+_PROBE_FILE = "oasis_probe.json"
+
+
+def load_tokenizer(path: Path):
+    """The tokenizer of the GGUF at `path`, rebuilt from its metadata once (10-55 s) and cached beside it.
+
+    The cached copy is used only if it tokenizes `TOKENIZER_PROBE` as the rebuilt tokenizer did when it was saved:
+    a copy that reloads differently (transformers' own class for some models rebuilds its vocabulary on load,
+    Gemma 3's into one token per character) is refused and rebuilt."""
+    from transformers import AutoTokenizer
+
+    saved = path.parent / "tokenizer"
+    probe = saved / _PROBE_FILE
+    if probe.is_file():
+        tokenizer = AutoTokenizer.from_pretrained(saved)
+        if tokenizer(TOKENIZER_PROBE)["input_ids"] == json.loads(probe.read_text())["input_ids"]:
+            return tokenizer
+        logger.warning("the cached tokenizer at %s tokenizes differently from the one it was saved from; rebuilding "
+                       "it from the GGUF", saved)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    cache_tokenizer(tokenizer, saved)
+    return tokenizer
+
+
+def cache_tokenizer(tokenizer, folder: Path) -> bool:
+    """Save `tokenizer` to `folder` (replacing what is there) so that it reloads tokenizing as it does; returns
+    whether it was cached. The saved ``tokenizer.json`` holds the whole model; where the tokenizer's own class
+    rebuilds it differently on load, the folder names transformers' generic class, which loads the file as it is.
+    A copy that still reloads differently, or a read-only folder, is not kept (a warning says why)."""
+    from transformers import AutoTokenizer
+
+    expected = tokenizer(TOKENIZER_PROBE)["input_ids"]
+    staging = folder.with_name(f".{folder.name}.{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        tokenizer.save_pretrained(staging)
+        config_file = staging / "tokenizer_config.json"
+        for attempt in ("own class", "generic class"):
+            if AutoTokenizer.from_pretrained(staging)(TOKENIZER_PROBE)["input_ids"] == expected:
+                (staging / _PROBE_FILE).write_text(json.dumps({"text": TOKENIZER_PROBE, "input_ids": expected}))
+                shutil.rmtree(folder, ignore_errors=True)
+                staging.rename(folder)
+                return True
+            if attempt == "own class" and config_file.is_file():
+                config = json.loads(config_file.read_text())
+                config["tokenizer_class"] = "PreTrainedTokenizerFast"
+                config_file.write_text(json.dumps(config, indent=2))
+        logger.warning("the tokenizer does not reload as it tokenizes (%s); it is rebuilt from the GGUF on every "
+                       "load", type(tokenizer).__name__)
+    except OSError as exc:  # a read-only cache still loads, only slower next time
+        logger.warning("could not cache the converted tokenizer at %s: %s", folder, exc)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return False
 
 
 def hub_reachable(timeout: float = 2.0) -> bool:

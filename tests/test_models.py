@@ -3,7 +3,9 @@ reader is replaced by a tiny random model; saving and reading the converted fold
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,3 +157,77 @@ def test_hub_reachable_is_false_offline_and_without_a_route(monkeypatch):
     t0 = time.perf_counter()
     assert models.hub_reachable(timeout=1.0) is False
     assert time.perf_counter() - t0 < 3.0
+
+
+def _unigram_tokenizer():
+    """A Unigram (SentencePiece-style) tokenizer built in memory, as transformers builds one from a GGUF's scores."""
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers
+    from tokenizers.models import Unigram
+
+    pieces = ["<unk>", "<bos>", "<eos>", "▁The", "▁quick", "▁brown", "▁fox", "▁", "qu", "ick", "The", "fox"]
+    pieces += sorted({c for c in models.TOKENIZER_PROBE + "▁" if c not in pieces})
+    backend = Tokenizer(Unigram([(p, -float(len(pieces) - i) / 10 if len(p) == 1 else -1.0)
+                                 for i, p in enumerate(pieces)], unk_id=0))
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<bos>",
+                                                eos_token="<eos>")
+
+
+def test_a_cached_tokenizer_reloads_tokenizing_as_the_fresh_one(tmp_path, monkeypatch):
+    """Where the tokenizer's own class rebuilds its vocabulary on load (Gemma 3's: one token per character), the
+    cache names transformers' generic class instead, and `load_tokenizer` refuses a cached copy (an older cache)
+    whose tokens differ from the probe recorded at save time, rebuilding it from the GGUF."""
+    fresh = _unigram_tokenizer()
+    ids = fresh(models.TOKENIZER_PROBE)["input_ids"]
+
+    real = transformers.AutoTokenizer.from_pretrained.__func__
+    built = []
+
+    def from_pretrained(cls, name, *args, gguf_file=None, **kwargs):
+        if gguf_file is not None:  # the GGUF rebuild: count it, hand back the in-memory tokenizer
+            built.append(gguf_file)
+            return fresh
+        tokenizer = real(cls, name, *args, **kwargs)
+        config = json.loads((Path(name) / "tokenizer_config.json").read_text())
+        if config.get("tokenizer_class") != "PreTrainedTokenizerFast":  # its own class rebuilds it: per character
+            tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=_per_character(tokenizer))
+        return tokenizer
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", classmethod(from_pretrained))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"")
+    first = models.load_tokenizer(gguf)
+    assert first(models.TOKENIZER_PROBE)["input_ids"] == ids and built == ["model.gguf"]
+    saved = json.loads((tmp_path / "tokenizer" / "tokenizer_config.json").read_text())
+    assert saved["tokenizer_class"] == "PreTrainedTokenizerFast"
+    again = models.load_tokenizer(gguf)  # from the cache: no rebuild
+    assert again(models.TOKENIZER_PROBE)["input_ids"] == ids and built == ["model.gguf"]
+    probe = tmp_path / "tokenizer" / "oasis_probe.json"
+    probe.write_text(json.dumps({"input_ids": [0]}))  # a cache that no longer matches what it recorded
+    assert models.load_tokenizer(gguf)(models.TOKENIZER_PROBE)["input_ids"] == ids and len(built) == 2
+
+
+def _per_character(tokenizer):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Split
+
+    vocab = {tok: i for i, tok in enumerate(sorted(tokenizer.get_vocab()))}
+    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = Split("", behavior="isolated")
+    return backend
+
+
+@pytest.mark.parametrize("name", sorted(models.REGISTRY))
+def test_each_packaged_models_cached_tokenizer_tokenizes_like_the_gguf(name, tmp_path):
+    """The real thing, where the model is assembled (CI does not download them: `oasis-hf models assemble NAME`):
+    the tokenizer rebuilt from the GGUF, cached and reloaded, gives the same ids on a varied text."""
+    path = models.assembled_path(name)
+    if not path.is_file():
+        pytest.skip(f"{name} is not assembled here (oasis-hf models assemble {name})")
+    fresh = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert models.cache_tokenizer(fresh, tmp_path / "tokenizer")
+    cached = transformers.AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
+    text = models.TOKENIZER_PROBE + " " + " ".join(f"word{i} {i * 37}" for i in range(200))
+    assert cached(text)["input_ids"] == fresh(text)["input_ids"]
