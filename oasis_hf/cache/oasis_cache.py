@@ -103,6 +103,7 @@ class OasisCache(Cache):
         self._epoch = 0  # bumped whenever the tables and host segments are reallocated (graphs of them are stale)
         self._closed = False  # close() is terminal
         self._planned_tokens = 0  # the longest sequence the running generate call can reach (`plan_tokens`)
+        self._last_output: torch.Tensor | None = None  # the last generate call's tokens (`note_output`)
         self._thread: int | None = None  # the thread that feeds this cache (set by its first forward)
         # (KV heads, head dim) every layer's K/V must have: what the model this cache was built for gives.
         heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
@@ -256,19 +257,53 @@ class OasisCache(Cache):
         self._check_use(key_states, layer_idx)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def _check_use(self, key_states: torch.Tensor, layer_idx: int) -> None:
+    def check_prompt(self, input_ids: torch.Tensor | None) -> None:
+        """Refuse a ``generate`` call over this cache before any forward runs (`oasis_hf.enable`'s generate calls
+        it): a closed cache, one owned by another thread, one left mid-forward, or `input_ids` (B, L) that do not
+        continue the tokens it holds (no longer than them, or not starting with the last call's output, which
+        `note_output` recorded). A cache serves one generation, or its continuation."""
+        self._check_state(claim=False)
+        held = self.get_seq_length()
+        if not held or getattr(input_ids, "ndim", 0) != 2:
+            return
+        if any(layer.mid_forward for layer in self._oasis_layers):
+            self._check_whole()
+        previous = self._last_output
+        if input_ids.shape[1] <= held:
+            why = f"the prompt has {input_ids.shape[1]} tokens, no more than the {held} it holds"
+        elif previous is not None and (
+            previous.shape[0] != input_ids.shape[0] or previous.shape[1] < held
+            or not torch.equal(input_ids[:, :held], previous[:, :held].to(input_ids.device))
+        ):
+            why = "the prompt does not start with the tokens of its previous generate call"
+        else:
+            return
+        raise UnsupportedError(
+            f"this OasisCache already holds {held} tokens per sequence and {why}: a cache serves one generation (or "
+            "its continuation from the previous output). Make a fresh OasisCache, or call cache.reset() first"
+        )
+
+    def note_output(self, sequences: torch.Tensor) -> None:
+        """The (B, L) tokens a generate call over this cache returned: a later call must start with them."""
+        self._last_output = sequences
+
+    def _check_state(self, claim: bool = True) -> None:
         if self._closed:
             returned = (" and its host memory returned to its host_pool (another cache may use it now)"
                         if self._host_returned else "")
             raise UnsupportedError(f"this OasisCache was closed{returned}; make a new OasisCache for the next batch")
         thread = threading.get_ident()
         if self._thread is None:
-            self._thread = thread
+            if claim:
+                self._thread = thread
         elif thread != self._thread:
             raise UnsupportedError(
                 "this OasisCache is in use by another thread; a cache holds one batch of sequences and is fed by one "
                 "thread: make an OasisCache per thread (or call reset() before handing it over)"
             )
+
+    def _check_use(self, key_states: torch.Tensor, layer_idx: int) -> None:
+        self._check_state()
         if layer_idx >= len(self.layers):
             raise UnsupportedError(
                 f"the model sent layer {layer_idx}, but this OasisCache was built for a config with "
@@ -338,6 +373,7 @@ class OasisCache(Cache):
         come from another thread)."""
         super().reset()
         self._thread = None
+        self._last_output = None
         self._planned_tokens = 0
         self._epoch += 1
         if self.host is not None:

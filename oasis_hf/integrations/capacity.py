@@ -9,44 +9,21 @@ the store grows in the middle of decoding.
 
 A cache serves one generation. A second call on a cache that holds tokens must continue them (``input_ids``
 starting with the tokens of the previous call's output, as transformers' continuation from a cache does); any other
-prompt is refused with `UnsupportedError` before a forward runs, instead of failing in a reshape or attending over
-the earlier prompt's K/V. Everything else about ``generate`` is transformers' own.
+prompt is refused with `UnsupportedError` before a forward runs (`OasisCache.check_prompt`), instead of failing in
+a reshape or attending over the earlier prompt's K/V. Everything else about ``generate`` is transformers' own.
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 
 from oasis_hf.cache.layer import GRAPH_MAX_TOKENS
 from oasis_hf.cache.oasis_cache import OasisCache
-from oasis_hf.errors import UnsupportedError
 
 _MARK = "_oasis_capacity"
 _CACHE_KWARGS = ("past_key_values", "cache")
-#: The last generate output of each cache (the tokens it holds, but for the last one), to check a continuation.
-_outputs: weakref.WeakKeyDictionary[OasisCache, torch.Tensor] = weakref.WeakKeyDictionary()
-
-
-def check_continues(cache: OasisCache, ids) -> None:
-    """Refuse a generate call whose ``input_ids`` (B, L) do not continue the tokens `cache` holds."""
-    held = cache.get_seq_length()
-    if not held or getattr(ids, "ndim", 0) != 2:
-        return
-    previous = _outputs.get(cache)
-    if ids.shape[1] <= held:
-        why = f"the prompt has {ids.shape[1]} tokens, no more than the {held} it holds"
-    elif previous is not None and (previous.shape[0] != ids.shape[0] or previous.shape[1] < held
-                                   or not torch.equal(ids[:, :held], previous[:, :held].to(ids.device))):
-        why = "the prompt does not start with the tokens of its previous generate call"
-    else:
-        return
-    raise UnsupportedError(
-        f"this OasisCache already holds {held} tokens per sequence and {why}: a cache serves one generation (or "
-        "its continuation from the previous output). Make a fresh OasisCache, or call cache.reset() first"
-    )
 
 
 def planned_tokens(model, args: tuple, kwargs: dict) -> int | None:
@@ -74,15 +51,14 @@ def install(model) -> None:
         cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
         if not isinstance(cache, OasisCache):
             return original(*args, **kwargs)
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        check_continues(cache, ids)
+        cache.check_prompt(kwargs.get("input_ids", args[0] if args else None))
         planned = planned_tokens(model, args, kwargs)
         if planned:
             cache.plan_tokens(planned)
         out = original(*args, **kwargs)
         sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
         if isinstance(sequences, torch.Tensor):
-            _outputs[cache] = sequences
+            cache.note_output(sequences)
         return out
 
     setattr(generate, _MARK, True)

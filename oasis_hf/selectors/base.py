@@ -16,8 +16,8 @@ class BlockSelector(ABC):
 
     The layer adds the rules every policy shares: sinks and the recent window always resident, padding and blocks
     past the end never chosen, at most ``S`` blocks, at most ``max_fetch_blocks`` fetched per step.
-    To add a policy: one file here with a subclass, one line in ``SELECTORS`` (``selectors/__init__.py``), one row
-    in ``tests/test_selectors.py``.
+    To add a policy: one file here with a subclass, one line in the registry of ``selectors/__init__.py`` (its
+    name, module and class), a row in the selector parametrizations of ``tests/test_generate.py``.
     """
 
     name: ClassVar[str]
