@@ -20,8 +20,8 @@ from tests._remote_worker import prompt_ids
 
 pytestmark = pytest.mark.skipif(
     not mooncake_available(),
-    reason="Mooncake Store is not installed: pip install mooncake-transfer-engine-non-cuda==0.3.13.post1 and "
-           "apt-get install libibverbs1 (.ci/run does both)",
+    reason="Mooncake Store is not importable: it needs pip install mooncake-transfer-engine-non-cuda==0.3.13.post1 "
+           "(scripts/test.sh installs it) and the system library libibverbs1 (apt-get install libibverbs1; CI does)",
 )
 
 ROOT = Path(__file__).resolve().parents[1]

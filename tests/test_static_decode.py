@@ -81,3 +81,25 @@ def test_greedy_continue_cuda_graphs_equal_eager_and_generate(dtype):
     if dtype == torch.float32:
         reference = model.generate(ids, max_new_tokens=21, min_new_tokens=21, do_sample=False, pad_token_id=0)
         assert torch.equal(graphed, reference[:, 300:])
+
+
+def test_greedy_continue_gives_the_same_tokens_after_an_oasis_row_on_the_same_model():
+    """A press row after an OasisKV row on one model object (what `eval.accuracy` does): `oasis_hf.enable` switched
+    the model to the "oasis" attention, which gets no padding mask for a StaticCache and attended over its unwritten
+    slots; the decode runs on SDPA instead, so the tokens are a fresh model's, and the model is left on "oasis"."""
+    import oasis_hf
+
+    torch.manual_seed(0)
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, model.config.vocab_size, (1, 120))
+
+    def row():
+        cache, first = _prefill(model, ids)
+        for layer in cache.layers:  # a compressed prompt, as a press leaves it
+            layer.keys, layer.values = layer.keys[:, :, ::2].contiguous(), layer.values[:, :, ::2].contiguous()
+        return greedy_continue(model, cache, first, position=ids.shape[1], max_new_tokens=10)
+
+    fresh = row()
+    oasis_hf.enable(model)
+    assert torch.equal(row(), fresh)
+    assert _compat.text_config(model.config)._attn_implementation == oasis_hf.ATTENTION_NAME

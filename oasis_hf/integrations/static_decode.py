@@ -18,12 +18,15 @@ are those of ``model.generate`` over the same cache (tested).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import StaticCache
 
 from oasis_hf import _compat
 from oasis_hf.cache.pinned import capturing
 from oasis_hf.errors import UnsupportedError
+from oasis_hf.integrations.attention import ATTENTION_NAME
 
 
 def greedy_continue(model, cache, first_ids: torch.Tensor, position: int, max_new_tokens: int,
@@ -32,7 +35,8 @@ def greedy_continue(model, cache, first_ids: torch.Tensor, position: int, max_ne
 
     Parameters
     ----------
-    model : a causal LM (any attention implementation transformers builds masks for).
+    model : a causal LM (any attention implementation transformers builds masks for; on the "oasis" attention of
+        `oasis_hf.enable` the decode runs on SDPA, and the model is switched back after).
     cache : a `DynamicCache` holding the prompt's KV (``(1, kv_heads, kept, head_dim)`` per layer, the same ``kept``
         in every layer, as kvpress's scorer presses leave it); it is not modified.
     first_ids : (1, 1) the first generated token (the argmax of the prefill's last logits).
@@ -53,10 +57,33 @@ def greedy_continue(model, cache, first_ids: torch.Tensor, position: int, max_ne
             f"greedy_continue needs every cache layer to hold the same number of full-attention tokens (got lengths "
             f"{sorted(lengths)}); decode with model.generate instead")
     stops = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
-    tokens = [first_ids]
     if max_new_tokens < 1 or first_ids.item() in stops:
         return first_ids
-    kept = lengths.pop()
+    with _sdpa_if_oasis(model):
+        return _decode(model, cache, first_ids, position, max_new_tokens, stops, graphs, lengths.pop())
+
+
+@contextlib.contextmanager
+def _sdpa_if_oasis(model):
+    """transformers' SDPA while decoding when `oasis_hf.enable` switched `model` to the "oasis" attention: that
+    attention gets no padding mask for a `StaticCache` and would attend over its unwritten slots, so a press row
+    decoded after an OasisKV row on the same model gave other tokens than on a fresh one. Restored after."""
+    config = _compat.text_config(model.config)
+    previous = config._attn_implementation
+    if previous != ATTENTION_NAME:
+        yield
+        return
+    multimodal = config is not model.config
+    model.set_attn_implementation({"text_config": "sdpa"} if multimodal else "sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation({"text_config": previous} if multimodal else previous)
+
+
+def _decode(model, cache, first_ids, position: int, max_new_tokens: int, stops: set, graphs: bool,
+            kept: int) -> torch.Tensor:
+    tokens = [first_ids]
     static = StaticCache(config=model.config, max_cache_len=kept + max_new_tokens)
     for layer, source in zip(static.layers, cache.layers, strict=True):
         layer.update(source.keys, source.values)
