@@ -7,10 +7,10 @@ key bytes (block 32), 4-bit keys 0.915 at 1/4 of the bytes, and Quest's per-chan
 pool, while mean keys take 64 MiB: ``"mean"`` is the default, ``"minmax"`` (Quest) is kept as a baseline. Mass is not
 the whole story: on the accuracy suite at budget 512 (H200, Qwen2.5-Coder-1.5B, 8k and 16k) the bounds answered more
 vt and recall_list prompts than mean keys and fewer cwe and fwe ones, the suite average 0.4 and 1.1 lower
-(docs/results.md, "Mean keys, Quest's bounds, or both"). An upper bound ranks first the block with one key that matches (a fact to
-retrieve); a mean ranks the blocks where many keys match (words to count). ``"mean+minmax"`` keeps both and lets
-each propose, a block's score being the average of its two softmax shares: there it scored 1.8 and 2.1 above mean
-keys at budget 512 and within 0.15 at 2048, for three times the bytes and twice the scoring work.
+(docs/results.md, "Mean keys, Quest's bounds, or both"). An upper bound ranks first the block with one key that
+matches (a fact to retrieve); a mean ranks the blocks where many keys match (words to count). ``"mean+minmax"``
+keeps both and lets each propose, a block's score being the average of its two softmax shares: there it scored 1.8
+and 2.1 above mean keys at budget 512 and within 0.15 at 2048, for three times the bytes and twice the scoring work.
 
 Scoring reads `BlockSummaries.data` directly (`oasis_hf.kernels.score_blocks`); the decode step's new blocks are
 summarised inside `oasis_hf.kernels.append_tokens`.
