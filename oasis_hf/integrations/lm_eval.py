@@ -84,12 +84,10 @@ class OasisLM(HFLM):
                  dense: bool = False, draft_model=None, press: str | None = None, graphs: bool = False,
                  **kwargs) -> None:
         if isinstance(pretrained, str) and pretrained in models.REGISTRY:
-            from transformers import AutoTokenizer
-
             path = models.assemble(pretrained)
             pretrained, kwargs["gguf_file"] = str(path.parent), path.name
-            if kwargs.get("tokenizer") is None:  # HFLM would not pass gguf_file to the tokenizer
-                kwargs["tokenizer"] = AutoTokenizer.from_pretrained(pretrained, gguf_file=path.name)
+            if kwargs.get("tokenizer") is None:  # HFLM would not pass gguf_file to the tokenizer; cached and checked
+                kwargs["tokenizer"] = models.load_tokenizer(path)
         # Other OasisConfig fields by name (HFLM's own arguments have other names): typed by lm-eval's parser on
         # the command line, as given from Python; OasisConfig rejects wrong types and values.
         config_fields = {name: kwargs.pop(name) for name in _CONFIG_FIELDS if name in kwargs}
