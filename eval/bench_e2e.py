@@ -8,6 +8,10 @@ Every row generates `--new-tokens` greedy tokens for the same left-padded batch 
 sequence, `oasis_hf.cli.passkey_prompt` with a seed per sequence):
 
 - ``greedy, DynamicCache``: ``model.generate`` (the baseline a user has);
+- ``dense graphed``: the strongest dense decode (`eval.dense_baselines.dense_graphed_generate`): the prefill, then
+  every step one CUDA graph replay over preallocated K/V;
+- ``model.generate, OasisCache lookahead``: what a user of ``oasis_hf.enable(model)`` runs, each decode forward a
+  replay of the whole-step graph;
 - ``greedy, OasisCache current-query``: the same with OasisKV, and through whole-model CUDA graphs
   (`oasis_hf.decode_generate`: the same tokens, one launch per step);
 - ``HF assisted, DynamicCache`` (batch 1 only: transformers refuses larger batches);
@@ -16,7 +20,8 @@ sequence, `oasis_hf.cli.passkey_prompt` with a seed per sequence):
   CUDA graph replays (`oasis_hf.draft.GraphedDraft`), one more row runs them eagerly to show what that buys, and
   one runs the target's verify forwards as whole-model graphs too (`oasis_hf.DecodeGraph`, ``target_graphs``).
 
-Reported per row: seconds (prefill included), new tokens/s over the batch, the ratio to greedy DynamicCache at the
+Reported per row: seconds (prefill included), new tokens/s over the batch, the time to the first token and the
+decode tokens/s after it (rows through ``model.generate`` and dense graphed), the ratio to greedy DynamicCache at the
 same batch, draft acceptance, whether the output equals greedy DynamicCache's, and how many pass keys came out.
 """
 
@@ -29,10 +34,11 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 import oasis_hf
 from eval._common import code_identity, environment, finish, markdown_table, synchronize, write_results
+from eval.dense_baselines import dense_graphed_generate
 from eval.plot import plot_e2e
 from oasis_hf import _compat, models
 from oasis_hf.cli import passkey_prompt
@@ -48,7 +54,20 @@ def batch_prompts(tokenizer, context: int, batch: int, device) -> tuple[dict, li
     return tokenizer(list(prompts), return_tensors="pt", padding=True).to(device), list(keys)
 
 
-KINDS = ["greedy", "greedy-graphs", "assisted", "speculative", "speculative-target-graphs", "speculative-eager-draft"]
+KINDS = ["greedy", "greedy-graphs", "generate-oasis", "dense-graphed", "assisted", "speculative",
+         "speculative-target-graphs", "speculative-eager-draft"]
+
+
+class FirstToken(StoppingCriteria):
+    """Never stops; stamps the time of its first call: the first token exists then (time to first token)."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self.first is None:
+            self.first = time.perf_counter()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 @torch.inference_mode()
@@ -57,7 +76,7 @@ def run_row(label: str, fn, inputs, tokenizer, keys, new_tokens: int) -> dict:
     synchronize()
     t0 = time.perf_counter()
     try:
-        sequences, stats = fn()
+        sequences, stats, first = fn()
     except Exception as exc:  # noqa: BLE001 - recorded in the table: one failing method must not lose the others
         logger.exception("%s failed", label)
         return {"method": label, "batch": inputs["input_ids"].shape[0], "error": f"{type(exc).__name__}: {exc}"[:200]}
@@ -67,6 +86,8 @@ def run_row(label: str, fn, inputs, tokenizer, keys, new_tokens: int) -> dict:
     texts = tokenizer.batch_decode(new, skip_special_tokens=True)
     batch = new.shape[0]
     row = {"method": label, "batch": batch, "seconds": seconds, "new tokens/s": batch * new_tokens / seconds,
+           "TTFT s": None if first is None else first - t0,
+           "decode tokens/s": None if first is None else batch * (new_tokens - 1) / max(1e-9, seconds - (first - t0)),
            "pass keys found": f"{sum(k in t for k, t in zip(keys, texts, strict=True))}/{batch}",
            "tokens": new[:, :new_tokens].cpu()}
     if stats is not None:
@@ -112,7 +133,8 @@ def main() -> None:
     inputs, gen = None, None  # set per batch below
 
     def generate(kind: str, cache):
-        """(sequences, SpeculativeStats or None) of one row; `cache` None means DynamicCache."""
+        """(sequences, SpeculativeStats or None, time of the first token or None) of one row; `cache` None means
+        DynamicCache."""
         if kind.startswith("speculative"):
             out = oasis_hf.speculative_generate(model, draft, inputs["input_ids"], inputs["attention_mask"],
                                                 cache=cache, max_new_tokens=gen["max_new_tokens"],
@@ -120,14 +142,22 @@ def main() -> None:
                                                 draft_schedule=args.draft_schedule,
                                                 draft_cuda_graphs=kind != "speculative-eager-draft",
                                                 target_graphs=kind == "speculative-target-graphs")
-            return out.sequences, out.stats
+            return out.sequences, out.stats, None
         if kind == "greedy-graphs":
             out = oasis_hf.decode_generate(model, inputs["input_ids"], inputs["attention_mask"], cache=cache,
                                            max_new_tokens=gen["max_new_tokens"], pad_token_id=pad)
-            return out, None
+            return out, None, None
+        if kind == "dense-graphed":
+            t0 = time.perf_counter()
+            out, ttft = dense_graphed_generate(model, inputs["input_ids"], inputs["attention_mask"],
+                                               gen["max_new_tokens"])
+            return out, None, t0 + ttft
         extra = {"assistant_model": draft} if kind == "assisted" else {}
         cache = cache if cache is not None else DynamicCache(config=model.config)
-        return model.generate(**inputs, **gen, **extra, **{_compat.cache_kwarg(model): cache}), None
+        clock = FirstToken()
+        out = model.generate(**inputs, **gen, **extra, **{_compat.cache_kwarg(model): cache},
+                             stopping_criteria=StoppingCriteriaList([clock]))
+        return out, None, clock.first
 
     # Warm-up (CUDA context, cuBLAS, Triton compilation) outside the timed rows: a short run of each path at the
     # timed context length, since some kernels compile one variant per table size class (`plan_blocks`: 3-7 s each).
@@ -135,7 +165,9 @@ def main() -> None:
     gen = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=pad)
     with torch.inference_mode():
         generate("greedy", None)
+        generate("dense-graphed", None)
         for kind, selector in (("greedy", "current-query"), ("greedy-graphs", "current-query"),
+                               ("generate-oasis", "lookahead"),
                                ("speculative", "lookahead"),
                                ("speculative-target-graphs", "lookahead")):
             try:  # a path that fails here fails again in its timed row, which records the error
@@ -148,6 +180,9 @@ def main() -> None:
         inputs, keys = batch_prompts(tokenizer, args.context, batch, device)
         gen = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad)
         variants = [("greedy, DynamicCache", "greedy", None),
+                    ("dense graphed (prefill, then one CUDA graph replay per step)", "dense-graphed", None),
+                    (f"model.generate, OasisCache lookahead @{args.budget} (whole-step graph via oasis_hf.enable)",
+                     "generate-oasis", "lookahead"),
                     (f"greedy, OasisCache current-query @{args.budget}", "greedy", "current-query"),
                     (f"greedy, OasisCache current-query @{args.budget}, whole-step graphs (decode_generate)",
                      "greedy-graphs", "current-query")]
@@ -194,7 +229,8 @@ def report(args, model, rows: list[dict], final: bool) -> None:
               f"{args.context} tokens, {args.new_tokens} greedy tokens per sequence, at most {args.drafts} drafts per "
               f"round ({args.draft_schedule} schedule); "
               f"budget {args.budget}; `{env['command']}`\n\n")
-    columns = ["method", "batch", "seconds", "new tokens/s", "vs greedy DynamicCache", "draft acceptance",
+    columns = ["method", "batch", "seconds", "new tokens/s", "TTFT s", "decode tokens/s", "vs greedy DynamicCache",
+               "draft acceptance",
                "drafts per round", "draft ms/round", "verify ms/round", "accept + crop ms/round",
                "same tokens as greedy DynamicCache", "pass keys found"]
     columns += ["error"] if any("error" in r for r in rows) else []

@@ -187,6 +187,71 @@ def _graph(fn, device: torch.device):
 
 
 @torch.inference_mode()
+def dense_graphed_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                           graphs: bool = True) -> tuple[torch.Tensor, float]:
+    """Greedy generation the dense-graphed way, end to end: a prefill over a `DynamicCache`, its K/V copied into
+    preallocated buffers, then every decode step one replay of a captured forward whose attention (our Triton
+    split-K kernel, the PyTorch twin on the CPU) reads the length from device memory, so one graph serves every
+    step. Left padding is honoured (positions from the mask, padded keys masked). No EOS stop: `max_new_tokens`
+    tokens per sequence, like ``min_new_tokens=max_new_tokens`` in ``generate``.
+
+    Returns ``(sequences (B, L + max_new_tokens), seconds to the first token)``.
+    """
+    device = input_ids.device
+    batch, length = input_ids.shape
+    t0 = time.perf_counter()
+    cache = DynamicCache(config=model.config)
+    prompt_positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)  # as generate
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=prompt_positions, use_cache=True,
+                logits_to_keep=1, **{_compat.cache_kwarg(model): cache})
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    ttft = time.perf_counter() - t0
+    decode = PrefixDecode(model, batch, length + max_new_tokens, kernel="triton")
+    for layer, k, v in zip(cache.layers, decode.keys, decode.values, strict=True):
+        k[:, :, :length].copy_(layer.keys)
+        v[:, :, :length].copy_(layer.values)
+    del cache, out
+    decode.kv_start.copy_(attention_mask.to(torch.bool).int().argmax(-1))
+    decode.set_step(length)
+    positions = attention_mask.long().sum(-1, keepdim=True)  # the first new token's position per sequence
+    tokens = [token.clone()]
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(PREFIX_ATTENTION)
+
+    def step():
+        logits = model(input_ids=token, position_ids=positions, use_cache=False, logits_to_keep=1).logits[:, -1]
+        token.copy_(logits.argmax(-1, keepdim=True))
+        positions.add_(1)
+        decode.position.add_(1)
+        decode.length.add_(1)
+
+    try:
+        if max_new_tokens > 1:
+            if graphs and device.type == "cuda":  # the first step eagerly on a side stream (warm-up), then capture
+                stream = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    step()
+                torch.cuda.current_stream(device).wait_stream(stream)
+                tokens.append(token.clone())
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()  # captured, not run: the replays below run it
+                for _ in range(max_new_tokens - 2):
+                    graph.replay()
+                    tokens.append(token.clone())
+            else:
+                for _ in range(max_new_tokens - 1):
+                    step()
+                    tokens.append(token.clone())
+    finally:
+        model.set_attn_implementation(previous)
+    return torch.cat([input_ids, *tokens], dim=1), ttft
+
+
+@torch.inference_mode()
 def dense_graphed_row(model, batch: int, context: int, warmup: int, repeats: int, kernel: str = "sdpa",
                       profile=None) -> dict:
     """Time the dense-graphed decode step at `context` tokens (random K/V); ``profile(step)``, when given, returns

@@ -422,3 +422,25 @@ def test_generate_path_bench_runs_its_decode_and_prefill_rows(tmp_path, monkeypa
     assert set(prefill) == {"dense", "oasis", "oasis, warm host pool", "dense, chunks of 128",
                             "oasis, chunks of 128"}
     assert all(r["seconds"] > 0 and r["batch"] == 2 and r["context"] == 300 for r in prefill.values())
+
+
+def test_dense_graphed_generate_gives_the_tokens_of_generate():
+    """The end-to-end dense baseline (prefill, K/V copied into preallocated buffers, each step the captured forward
+    reading its length from device memory; eager with the kernel's twin on the CPU) decodes a left-padded batch to
+    the tokens of transformers' greedy generate over a DynamicCache, and leaves the model's attention as it was."""
+    import torch
+    from transformers import DynamicCache
+
+    from eval.dense_baselines import dense_graphed_generate
+    from tests._factories import tiny_model
+    from tests.test_generate import left_padded
+
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None  # no stop and no EOS suppression: plain argmax, as the baseline
+    ids, mask = left_padded([150, 97, 131])
+    ref = model.generate(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config),
+                         max_new_tokens=12, do_sample=False, pad_token_id=0)
+    before = model.config._attn_implementation
+    out, ttft = dense_graphed_generate(model, ids, mask, max_new_tokens=12)
+    assert torch.equal(out, ref) and ttft > 0
+    assert model.config._attn_implementation == before
