@@ -362,3 +362,33 @@ def test_growth_takes_what_fits_when_half_again_does_not():
     from oasis_hf.errors import format_bytes
 
     assert [format_bytes(n) for n in (512, 3.5 * 2**20, 1.5 * 2**30)] == ["512 bytes", "3.50 MiB", "1.50 GiB"]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_enabled_model_still_decodes_other_caches_like_sdpa(family, padded):
+    """A model switched to the oasis attention decodes a preallocated StaticCache (keys past the last query are
+    unwritten slots) and a DynamicCache exactly as on SDPA: rows that do not use OasisCache are unaffected."""
+    torch.manual_seed(0)
+    model = tiny_model(family)
+    ids = torch.randint(3, VOCAB, (2, 40))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, :7] = 0
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=9, min_new_tokens=9, do_sample=False,
+                  pad_token_id=0)
+    before = {impl: model.generate(**kwargs, cache_implementation=impl) for impl in ("static", "dynamic")}
+    oasis_hf.enable(model)
+    for impl, tokens in before.items():
+        assert torch.equal(model.generate(**kwargs, cache_implementation=impl), tokens), impl
+    # An explicit StaticCache decoded without any mask (kvpress-style loops): causal over the written slots only.
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=64)
+    logits = model(input_ids=ids[1:], past_key_values=cache, use_cache=True).logits
+    step = model(input_ids=logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits
+    model.set_attn_implementation("sdpa")
+    ref_cache = DynamicCache()
+    ref = model(input_ids=ids[1:], past_key_values=ref_cache, use_cache=True).logits
+    ref_step = model(input_ids=ref[:, -1:].argmax(-1), past_key_values=ref_cache, use_cache=True).logits
+    torch.testing.assert_close(step, ref_step)

@@ -1,17 +1,18 @@
 """The ``"oasis"`` attention function and its explicit registration.
 
-Nothing is registered at import. `register()` adds ``"oasis"`` to transformers' `AttentionInterface` and the 2-D
-padding-mask builder to `AttentionMaskInterface` (so no dense ``(B, 1, T, L)`` mask is ever built); `enable(model)`
-also switches a model to it and installs the whole-step graph path for its decode forwards. Calls whose key was not
-returned by an `OasisLayer` (sliding-window layers, a draft model, an lm-eval loglikelihood forward with its own
-cache, early-exit drafting) run dense attention.
+Nothing is registered at import. `register()` adds ``"oasis"`` to transformers' `AttentionInterface` and
+`oasis_mask` to `AttentionMaskInterface`; `enable(model)` also switches a model to it and installs the whole-step
+graph path for its decode forwards. Calls whose key was not returned by an `OasisLayer` (sliding-window layers, a
+draft model, an lm-eval loglikelihood forward with its own cache, early-exit drafting, a preallocated
+`StaticCache`) run dense attention.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from oasis_hf import _compat
 from oasis_hf.cache.layer import layer_of, windowed
@@ -42,6 +43,12 @@ def oasis_attention(
         raise UnsupportedError("oasis attention does not implement logit soft-capping (Gemma2-style 'softcap')")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer = layer_of(key)
+    if attention_mask is not None and attention_mask.dim() == 4:  # keys beyond the queries: see `oasis_mask`
+        if layer is not None:
+            raise UnsupportedError("an OasisCache layer got a 4-D attention mask; register the mask function with "
+                                   "oasis_hf.register() (oasis_hf.enable does) instead of building 4-D masks")
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scale,
+                                      **kwargs)
     if layer is None and windowed(key) and kwargs.get("sliding_window") is None:
         raise UnsupportedError(
             f"model layer {getattr(module, 'layer_idx', '?')} attends over the whole sequence, but this OasisCache "
@@ -70,10 +77,33 @@ def oasis_attention(
     return layer.attend(query, key, value, attention_mask, scale), None
 
 
+def oasis_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | torch.Tensor = 0,
+    kv_offset: int = 0,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """The mask the oasis attention takes: a 2-D padding mask (B, L) or None where the queries are the last
+    `q_length` of the `kv_length` keys (an `OasisCache`, a `DynamicCache`), so no dense (B, 1, T, L) mask is built;
+    transformers' 4-D boolean SDPA mask (B, 1, T, L) where keys extend past the last query (a preallocated
+    `StaticCache`, whose unwritten slots follow the written ones), which `oasis_attention` hands to SDPA."""
+    if isinstance(q_offset, torch.Tensor) or q_offset + q_length < kv_offset + kv_length:
+        # An offset held on the device is a StaticCache's (OasisCache counts on the host): its 4-D mask, built
+        # without reading the offset back, so that it can be captured in a CUDA graph.
+        kwargs.pop("allow_is_causal_skip", None)
+        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                         kv_offset=kv_offset, attention_mask=attention_mask, allow_is_causal_skip=False, **kwargs)
+    return _compat.flash_attention_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                                        q_offset=q_offset, kv_offset=kv_offset, attention_mask=attention_mask, **kwargs)
+
+
 def register(name: str = ATTENTION_NAME) -> str:
     """Register the oasis attention and mask functions under `name` (idempotent); returns the name."""
     AttentionInterface.register(name, oasis_attention)
-    AttentionMaskInterface.register(name, _compat.flash_attention_mask)
+    AttentionMaskInterface.register(name, oasis_mask)
     return name
 
 

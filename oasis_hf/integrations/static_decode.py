@@ -18,15 +18,12 @@ are those of ``model.generate`` over the same cache (tested).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from transformers import StaticCache
 
 from oasis_hf import _compat
 from oasis_hf.cache.pinned import capturing
 from oasis_hf.errors import UnsupportedError
-from oasis_hf.integrations.attention import ATTENTION_NAME
 
 
 def greedy_continue(model, cache, first_ids: torch.Tensor, position: int, max_new_tokens: int,
@@ -59,26 +56,7 @@ def greedy_continue(model, cache, first_ids: torch.Tensor, position: int, max_ne
     stops = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
     if max_new_tokens < 1 or first_ids.item() in stops:
         return first_ids
-    with _sdpa_if_oasis(model):
-        return _decode(model, cache, first_ids, position, max_new_tokens, stops, graphs, lengths.pop())
-
-
-@contextlib.contextmanager
-def _sdpa_if_oasis(model):
-    """transformers' SDPA while decoding when `oasis_hf.enable` switched `model` to the "oasis" attention: that
-    attention gets no padding mask for a `StaticCache` and would attend over its unwritten slots, so a press row
-    decoded after an OasisKV row on the same model gave other tokens than on a fresh one. Restored after."""
-    config = _compat.text_config(model.config)
-    previous = config._attn_implementation
-    if previous != ATTENTION_NAME:
-        yield
-        return
-    multimodal = config is not model.config
-    model.set_attn_implementation({"text_config": "sdpa"} if multimodal else "sdpa")
-    try:
-        yield
-    finally:
-        model.set_attn_implementation({"text_config": previous} if multimodal else previous)
+    return _decode(model, cache, first_ids, position, max_new_tokens, stops, graphs, lengths.pop())
 
 
 def _decode(model, cache, first_ids, position: int, max_new_tokens: int, stops: set, graphs: bool,
