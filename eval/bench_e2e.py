@@ -59,13 +59,16 @@ KINDS = ["greedy", "greedy-graphs", "generate-oasis", "dense-graphed", "assisted
 
 
 class FirstToken(StoppingCriteria):
-    """Never stops; stamps the time of its first call: the first token exists then (time to first token)."""
+    """Never stops; stamps the time of its first call, after the device finished the work queued so far: the first
+    token exists then (time to first token). Without the synchronisation the stamp is when the host had queued the
+    prefill, which can be long before or after the device ran it."""
 
     def __init__(self) -> None:
         self.first: float | None = None
 
     def __call__(self, input_ids, scores, **kwargs):
         if self.first is None:
+            synchronize()
             self.first = time.perf_counter()
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 

@@ -67,12 +67,18 @@ def test_greedy_continue_stops_at_eos_and_refuses_batches():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("enabled", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_continue_cuda_graphs_equal_eager_and_generate(dtype):
+def test_greedy_continue_cuda_graphs_equal_eager_and_generate(dtype, enabled):
     """On CUDA the steps from the second on are replays of one captured forward: the same tokens as the eager loop
-    over the same cache (the same kernels), and in float32 as ``generate``."""
+    over the same cache (the same kernels), and in float32 as ``generate``; also on a model switched to the oasis
+    attention (its mask for the StaticCache is built on the device inside the capture)."""
+    import oasis_hf
+
     torch.manual_seed(0)
     model = tiny_model("qwen2", device="cuda", dtype=dtype)
+    if enabled:
+        oasis_hf.enable(model)
     ids = torch.randint(3, model.config.vocab_size, (1, 300), device="cuda")
     cache, first = _prefill(model, ids)
     graphed = greedy_continue(model, cache, first, position=300, max_new_tokens=20)
@@ -85,8 +91,8 @@ def test_greedy_continue_cuda_graphs_equal_eager_and_generate(dtype):
 
 def test_greedy_continue_gives_the_same_tokens_after_an_oasis_row_on_the_same_model():
     """A press row after an OasisKV row on one model object (what `eval.accuracy` does): `oasis_hf.enable` switched
-    the model to the "oasis" attention, which gets no padding mask for a StaticCache and attended over its unwritten
-    slots; the decode runs on SDPA instead, so the tokens are a fresh model's, and the model is left on "oasis"."""
+    the model to the "oasis" attention, whose mask function gives a StaticCache transformers' 4-D mask (its
+    unwritten slots masked): the tokens are a fresh model's, and the model is left on "oasis"."""
     import oasis_hf
 
     torch.manual_seed(0)
