@@ -155,3 +155,18 @@ def test_a_cache_reused_for_another_prompt_is_refused_and_a_continuation_is_not(
         fresh = generate(model, other, other_mask, cache)
     with oasis_cache(model) as cache:
         assert torch.equal(fresh, generate(model, other, other_mask, cache))
+
+
+def test_right_padding_is_refused_and_the_mask_is_read_once_per_prefill():
+    """OasisCache keeps left-padded batches only (real tokens contiguous at the end): right padding is refused with
+    the tokenizer setting to change. A left-padded prefill reads the mask once: every layer gets the same starts."""
+    model = tiny_model("llama", attn="oasis")
+    ids, mask = left_padded([100, 60])
+    cache = oasis_cache(model, budget_tokens=128)
+    model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    starts = [layer.kv_start for layer in cache.oasis_layers]
+    assert all(s is starts[0] for s in starts) and starts[0].tolist() == [0, 40]
+    right = mask.flip(-1)
+    with pytest.raises(UnsupportedError, match="padding_side = 'left'"):
+        model(input_ids=ids, attention_mask=right, past_key_values=oasis_cache(model, budget_tokens=128),
+              use_cache=True)

@@ -302,7 +302,7 @@ class OasisLayer(CacheLayerMixin):
     def _prefill(self, query, key, value, attention_mask, scale, end) -> torch.Tensor:
         cfg = self.config
         out = dense_attention(query, key, value, attention_mask, scale)
-        self.kv_start = _kv_start(attention_mask, self.batch_size, end, self.device)
+        self.kv_start = self.cache.padding_starts(attention_mask, self.batch_size, end, self.device)
         num_blocks = -(-end // cfg.block_size)
         pad = num_blocks * cfg.block_size - end
         blocks_k = torch.nn.functional.pad(key, (0, 0, 0, pad)).view(
@@ -752,7 +752,7 @@ def block_mass(query: torch.Tensor, keys: torch.Tensor, scale: float, q_pos: tor
     return torch.nn.functional.pad(mass, (0, capacity_blocks - num_blocks))
 
 
-def _kv_start(attention_mask, batch: int, length: int, device) -> torch.Tensor:
+def padding_starts(attention_mask, batch: int, length: int, device) -> torch.Tensor:
     """(B,) first real position from a 2-D left-padding mask (None: no padding)."""
     if attention_mask is None:
         return torch.zeros(batch, dtype=torch.long, device=device)

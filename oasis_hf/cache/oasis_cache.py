@@ -26,7 +26,7 @@ from transformers.configuration_utils import PretrainedConfig
 
 from oasis_hf import _compat
 from oasis_hf.cache.host_store import BlockStore, HostKVStore
-from oasis_hf.cache.layer import OasisLayer, WindowLayer
+from oasis_hf.cache.layer import OasisLayer, WindowLayer, padding_starts
 from oasis_hf.cache.pinned import PinnedPool
 from oasis_hf.cache.prefetch import Prefetcher, background_stream
 from oasis_hf.cache.stats import OasisStats
@@ -97,6 +97,7 @@ class OasisCache(Cache):
         self._capture_streams: dict[tuple[torch.device, bool], torch.cuda.Stream] = {}
         self._prefetchers: dict[torch.device, Prefetcher] = {}
         self._whole_step = None  # the `oasis_hf.DecodeGraph` whose forward is running (layers take its path)
+        self._starts: tuple | None = None  # (mask, length, device, starts) of the last prefill: see `padding_starts`
         #: The `oasis_hf.DecodeGraph` that ``model.generate``'s decode forwards replay over this cache (created by the
         #: fast path `oasis_hf.enable` installs, on the first decode forward; None until then or when not used).
         self.graph_runner = None
@@ -365,6 +366,18 @@ class OasisCache(Cache):
             "use a fresh cache per expanded batch"
         )
 
+    def padding_starts(self, attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
+        """(B,) first real position of each sequence from the forward's 2-D left-padding mask (None: no padding).
+
+        Every layer of a prefill forward gets the same mask: it is read and checked (one host synchronisation) for
+        the first layer only, not once per layer, which would stop the host from queueing ahead of the GPU."""
+        memo = self._starts
+        if memo is not None and memo[0] is attention_mask and memo[1] == length and memo[2] == device:
+            return memo[3]
+        starts = padding_starts(attention_mask, batch, length, device)
+        self._starts = (attention_mask, length, device, starts)
+        return starts
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise UnsupportedError("OasisCache cannot select batch entries; use a fresh cache per batch")
 
@@ -375,6 +388,7 @@ class OasisCache(Cache):
         self._thread = None
         self._last_output = None
         self._planned_tokens = 0
+        self._starts = None
         self._epoch += 1
         if self.host is not None:
             self.host.release()
