@@ -162,25 +162,33 @@ def main() -> None:
                              stopping_criteria=StoppingCriteriaList([clock]))
         return out, None, clock.first
 
-    # Warm-up (CUDA context, cuBLAS, Triton compilation) outside the timed rows: a short run of each path at the
-    # timed context length, since some kernels compile one variant per table size class (`plan_blocks`: 3-7 s each).
-    inputs, _ = batch_prompts(tokenizer, args.context, 1, device)
-    gen = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=pad)
-    with torch.inference_mode():
-        generate("greedy", None)
-        generate("dense-graphed", None)
-        for kind, selector in (("greedy", "current-query"), ("greedy-graphs", "current-query"),
-                               ("generate-oasis", "lookahead"),
-                               ("speculative", "lookahead"),
-                               ("speculative-target-graphs", "lookahead")):
-            try:  # a path that fails here fails again in its timed row, which records the error
-                with oasis_hf.OasisCache(model.config, cfg(selector)) as cache:
-                    generate(kind, cache)
-            except Exception as exc:  # noqa: BLE001
-                logger.error("warm-up of %s failed: %r", kind, exc)
+    def warm_up() -> None:
+        """A short run of each path at the timed batch and context, outside the timed rows: CUDA context, cuBLAS,
+        Triton compilation (some kernels compile one variant per shape class: `plan_blocks`, 3-7 s each) and the
+        allocator's growth, so that no row pays them for the rows after it."""
+        nonlocal gen
+        gen = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=pad)
+        with torch.inference_mode():
+            generate("greedy", None)
+            for kind, selector in (("dense-graphed", None), ("greedy", "current-query"),
+                                   ("greedy-graphs", "current-query"), ("generate-oasis", "lookahead"),
+                                   ("speculative", None), ("speculative", "lookahead"),
+                                   ("speculative-target-graphs", "lookahead")):
+                if args.kinds is not None and kind not in args.kinds:
+                    continue
+                if selector is None:
+                    generate(kind, None)
+                    continue
+                try:  # a path that fails here fails again in its timed row, which records the error
+                    with oasis_hf.OasisCache(model.config, cfg(selector)) as cache:
+                        generate(kind, cache)
+                except Exception as exc:  # noqa: BLE001
+                    logger.error("warm-up of %s failed: %r", kind, exc)
+
     rows = []
     for batch in args.batches:
         inputs, keys = batch_prompts(tokenizer, args.context, batch, device)
+        warm_up()
         gen = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad)
         variants = [("greedy, DynamicCache", "greedy", None),
                     ("dense graphed (prefill, then one CUDA graph replay per step)", "dense-graphed", None),
