@@ -23,9 +23,13 @@ shared list as they go (a (row, task)'s claim is a file created exclusively unde
 own ``<out>.partK`` files, then merges them into ``--out``: on an 8-GPU machine the 30,000 requests take about an
 eighth of the time. A worker that dies leaves its claimed task undone; ``--resume`` runs it next time.
 
-kvpress presses (SnapKV, expected attention) run through kvpress's own API at the same KV size (``budget`` prompt
-tokens per layer and head); kvpress 0.5.5 needs a transformers that passes ``past_key_values`` to attention modules
-(5.17 here; 5.18+ renamed it), and the runner says so instead of skipping the rows.
+kvpress presses run through kvpress's own API at the same KV size (`eval.press_baselines`): under kvpress's
+protocols, query-agnostic (the context compressed, the question and the answer cue prefilled after it) or query-aware
+(context and question compressed, the cue after them), the uncompressed tail counted inside the budget; SnapKV, AdaKV
+SnapKV, and expected attention both plain and as kvpress's benchmark registry runs it (AdaKV, epsilon 1e-2).
+kvpress 0.5.5 needs a transformers that passes ``past_key_values`` to attention modules (5.17 here; 5.18+ renamed
+it), and the runner says so instead of skipping the rows. Every row's table line gives the GPU memory its method
+keeps per sequence (`memory_columns`: the target's KV, OasisKV's summaries, the draft's KV) and the draft's weights.
 """
 
 from __future__ import annotations
@@ -71,8 +75,24 @@ METHODS = {
     "previous-query": dict(selector="previous-query", **SELECTION),
     "lookahead (prompt lookup 3)": dict(selector="lookahead", prompt_lookup=3, **SELECTION),
     "lookahead (draft model)": dict(selector="lookahead", draft=True, **SELECTION),
-    "kvpress SnapKV": dict(press="SnapKVPress", batch_size=1),
-    "kvpress expected attention": dict(press="ExpectedAttentionPress", batch_size=1),
+    # kvpress presses at the same KV size, under kvpress's own protocols (`eval.press_baselines`): the context
+    # compressed and the question and answer cue prefilled after it (query-agnostic), or context and question
+    # compressed and the cue after them (query-aware); the uncompressed tail counts inside the budget. Expected
+    # attention as kvpress's benchmark registry runs it (AdaKV, epsilon 1e-2) beside the plain press.
+    "kvpress SnapKV (query-aware)": dict(press="SnapKVPress", protocol="query-aware", batch_size=1),
+    "kvpress SnapKV (query-agnostic)": dict(press="SnapKVPress", protocol="query-agnostic", batch_size=1),
+    "kvpress AdaKV SnapKV (query-aware)": dict(press="AdaKVPress(SnapKVPress())", protocol="query-aware",
+                                               batch_size=1),
+    "kvpress AdaKV expected attention (query-aware)": dict(
+        press="AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))", protocol="query-aware", batch_size=1),
+    "kvpress AdaKV expected attention (query-agnostic)": dict(
+        press="AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))", protocol="query-agnostic", batch_size=1),
+    "kvpress expected attention (query-aware)": dict(press="ExpectedAttentionPress", protocol="query-aware",
+                                                     batch_size=1),
+    # The whole prompt compressed, answer cue included: not a kvpress protocol; the rows of earlier runs.
+    "kvpress SnapKV (whole prompt)": dict(press="SnapKVPress", protocol="whole-prompt", batch_size=1),
+    "kvpress expected attention (whole prompt)": dict(press="ExpectedAttentionPress", protocol="whole-prompt",
+                                                      batch_size=1),
     # Diagnostic rows, not in the presets (run them with --methods): one summary instead of both (session 12: Quest's
     # bounds alone gave more vt and recall_list answers and fewer cwe and fwe than mean keys), and the selection
     # settings one at a time.
@@ -90,7 +110,8 @@ METHODS = {
         selector="lookahead", draft=True, **BLOCK_32 | dict(prefill_window_tokens=32, score_decay=0.9)),
     "current-query (block 32)": dict(selector="current-query", **BLOCK_32),
 }
-DIAGNOSTIC = [m for m in METHODS if m.startswith("lookahead (draft model, ") or m.endswith("(block 32)")]
+DIAGNOSTIC = [m for m in METHODS if m.startswith("lookahead (draft model, ") or m.endswith("(block 32)")
+              or m.endswith("(whole prompt)")]
 
 PRESETS = {
     "cpu-smollm2-2k": dict(model="smollm2-135m-instruct", draft=None, lengths=[2000], samples=3, budgets=[256, 512],
@@ -140,11 +161,14 @@ def main() -> None:
                         help="with --merge-from (or alone): rename --out's rows of method OLD to NEW first (when a "
                              "method's definition in METHODS changes, its earlier rows keep a name that says what "
                              "they ran); recorded under 'relabelled'")
+    parser.add_argument("--report", action="store_true",
+                        help="only rewrite --out's markdown and plot from its JSON (after the table layout or the "
+                             "memory columns changed); runs nothing")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.merge_from or args.relabel:
+    if args.merge_from or args.relabel or args.report:
         if args.out is None:
-            parser.error("--merge-from/--relabel need --out")
+            parser.error("--merge-from/--relabel/--report need --out")
         merge_results(parser, args, preset_of(args))
         return
     if args.merge:
@@ -162,6 +186,7 @@ def main() -> None:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    from eval.press_baselines import PressLM
     from oasis_hf.integrations.lm_eval import OasisLM
 
     preset = preset_of(args)
@@ -172,6 +197,7 @@ def main() -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     preset["whole_step_graphs"] = device.startswith("cuda") and not args.eager
     model, tokenizer = models.load(preset["model"], device=device)
+    preset["shapes"] = {"model": kv_shape(model)}
     draft = None  # loaded by the first row that runs with it: a run of baseline rows never reads its weights
     suite = cached_suite(tokenizer, preset["model"], preset["lengths"], preset["samples"])
     manager = TaskManager(include_path=[str(folder) for folder in suite])
@@ -196,10 +222,12 @@ def main() -> None:
                         if needs_draft:
                             if draft is None:
                                 draft = models.load(preset["draft"], device=device)[0]
+                                preset["shapes"]["draft"] = kv_shape(draft)
                             fields["draft_model"] = draft
-                        lm = OasisLM(pretrained=model, tokenizer=tokenizer, budget=budget or 2048,
-                                     device=device, batch_size=batch_size, graphs=preset["whole_step_graphs"],
-                                     **fields)
+                        lm_class = PressLM if "press" in fields else OasisLM
+                        lm = lm_class(pretrained=model, tokenizer=tokenizer, budget=budget or 2048,
+                                      device=device, batch_size=batch_size, graphs=preset["whole_step_graphs"],
+                                      **fields)
                     name = f"oasis_ruler_{task}_{length}"
                     started = time.perf_counter()
                     out = lm_eval.simple_evaluate(model=lm, tasks=[name], task_manager=manager)
@@ -502,19 +530,68 @@ def _write_merged(args, preset: dict, payload: dict) -> None:
             pairs = [r for r in payload["relabelled"] if r["by"] == by]
             header += f"- renamed by `{by}`: " + "; ".join(f"`{r['from']}` -> `{r['to']}`" for r in pairs) + "\n"
         header += "\n"
-    print(_tables(header, payload["rows"]))
-    write_results(args.out, payload, _tables(header, payload["rows"]))
+    tables = _tables(header, payload["rows"], payload["config"].get("shapes"))
+    print(tables)
+    write_results(args.out, payload, tables)
     plot_accuracy(payload, args.out)
 
 
-def _tables(header: str, rows: list[dict]) -> str:
-    """The summary table, then every row per task."""
+def _tables(header: str, rows: list[dict], shapes: dict | None = None) -> str:
+    """The summary table, then every row per task with its GPU memory per sequence (`memory_columns`) where the
+    model shapes are known."""
     lengths = sorted({r["length"] for r in rows})
     table = header + "Suite average per method and budget (mean over the lengths measured):\n\n"
     table += markdown_table(summarize(rows), ["method", "budget", "average", "lengths"] + [f"@{n}" for n in lengths])
     table += "\n\nPer task, length, method and budget:\n\n"
-    tasks = sorted({k for r in rows for k in r} - {"method", "budget", "length", "average", "seconds"})
-    return table + markdown_table(rows, ["method", "budget", "length", "average", *tasks])
+    tasks = sorted({k for r in rows for k in r} - {"method", "budget", "length", "average", "seconds", *MEMORY})
+    memory = []
+    if shapes and shapes.get("model"):
+        rows = [row | memory_columns(row, shapes) for row in rows]
+        memory = [c for c in MEMORY if any(c in r for r in rows)]
+    return table + markdown_table(rows, ["method", "budget", "length", "average", *tasks, *memory])
+
+
+#: GPU memory columns of a row (MiB): per sequence, and the draft's weights, which a batch shares.
+MEMORY = ("target KV MiB/seq", "summaries MiB/seq", "draft KV MiB/seq", "GPU total MiB/seq", "draft weights MiB")
+
+
+def kv_shape(model) -> dict:
+    """What `memory_columns` needs of a loaded model: full-attention layers, KV heads, head size, element bytes,
+    parameter bytes."""
+    from oasis_hf import _compat
+
+    config = _compat.text_config(model.config)
+    param = next(model.parameters())
+    return {"layers": sum(t == "full_attention" for t in _compat.layer_types(config)),
+            "kv_heads": config.num_key_value_heads,
+            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            "element_bytes": param.element_size(),
+            "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+
+
+def memory_columns(row: dict, shapes: dict) -> dict:
+    """GPU bytes a row's method keeps per sequence, in MiB: the target's KV (dense: the whole prompt; OasisKV: its
+    pool of `budget` tokens; kvpress: the `budget` tokens left after compression, masked AdaKV keys not counted),
+    OasisKV's block summaries, the draft model's KV of the whole prompt (it decodes densely), and the draft's
+    weights (shared by a batch, so apart from the per-sequence total)."""
+    fields = METHODS.get(row["method"])
+    if fields is None:
+        return {}
+    target, length = shapes["model"], row["length"]
+    per_token = 2 * target["layers"] * target["kv_heads"] * target["head_dim"] * target["element_bytes"]
+    kept = length if fields.get("dense") else min(length, int(row["budget"]))
+    out = {"target KV MiB/seq": kept * per_token / 2**20}
+    if not fields.get("dense") and "press" not in fields:
+        block = fields.get("block_size", 32)
+        keys = {"mean": 1, "minmax": 2, "mean+minmax": 3}[fields.get("summary", "mean")]
+        out["summaries MiB/seq"] = (keys * -(-length // block) * per_token / 2) / 2**20
+    draft = shapes.get("draft")
+    if fields.get("draft") and draft:
+        out["draft KV MiB/seq"] = (length * 2 * draft["layers"] * draft["kv_heads"] * draft["head_dim"]
+                                   * draft["element_bytes"]) / 2**20
+        out["draft weights MiB"] = draft["weight_bytes"] / 2**20
+    out["GPU total MiB/seq"] = sum(v for k, v in out.items() if k.endswith("/seq"))
+    return out
 
 
 def load_previous(args, preset: dict) -> list[dict]:
@@ -560,7 +637,7 @@ def report(args, preset: dict, model, rows: list[dict], lm_eval_version: str, fi
               f"{preset['draft']}; lengths {preset['lengths']}, {preset['samples']} samples per task and length; "
               f"scores 0-100 (share of expected strings in the answer); `{env['command']}`\n\n")
     summary = summarize(rows)
-    table = _tables(header, rows)
+    table = _tables(header, rows, preset.get("shapes"))
     if final:
         print(table)
     if args.out is not None:

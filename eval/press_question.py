@@ -1,7 +1,7 @@
 """Do the kvpress baselines lose the suite's answers because the press prunes the question?
 
-`eval.accuracy`'s press rows compress the whole prompt, the context and the question at its end, to ``--budget``
-tokens per layer and KV head in one prefill (`OasisLM(press=...)`). kvpress's own pipeline
+The ``whole-prompt`` protocol of `eval.press_baselines` compresses the whole prompt, the context and the question at
+its end, to ``--budget`` tokens per layer and KV head in one prefill. kvpress's own pipeline
 (``pipeline("kv-press-text-generation")``) compresses the context instead and then prefills the question
 uncompressed. This runs prompts of one suite task both ways at the same KV size (``question kept``: the prompt's
 last ``--question-tokens`` tokens are prefilled after the compressed rest, which keeps ``budget - question_tokens``
@@ -11,7 +11,7 @@ tokens), beside dense, and reports each row's score and, for the whole-prompt ro
     python -m eval.press_question --model qwen2.5-coder-0.5b-instruct --task niah_single --length 2048 \\
         --samples 8 --budget 512 --out eval/results/press_question_qwen0.5b_2k
 
-Needs kvpress and a transformers it can hook (5.17; see `OasisLM`'s ``press``). Greedy decoding of the compressed
+Needs kvpress and a transformers it can hook (5.17; see `eval.press_baselines`). Greedy decoding of the compressed
 cache with `greedy_continue` (CUDA graphs on CUDA), as the accuracy rows decode it.
 """
 
@@ -26,8 +26,8 @@ import torch
 from transformers import DynamicCache
 
 from eval._common import code_identity, environment, finish, markdown_table
+from eval.press_baselines import cache_positions, make_press, on_sdpa, press_ratio
 from oasis_hf import _compat, models
-from oasis_hf.integrations.lm_eval import _cache_positions, _make_press, press_ratio
 from oasis_hf.integrations.static_decode import greedy_continue
 from oasis_hf.tasks import TASKS
 from oasis_hf.tasks.ruler import generate as task_samples
@@ -66,7 +66,7 @@ def prefill(model, ids: torch.Tensor, press, budget: int, tail: int,
 
         press.score = spy  # an instance attribute over the method, removed below
     try:
-        with press(model), _cache_positions(model):
+        with on_sdpa(model), press(model), cache_positions(model):
             out = model(input_ids=head, past_key_values=cache, use_cache=True, **last)
     finally:
         press.__dict__.pop("score", None)
@@ -82,7 +82,7 @@ def prefill(model, ids: torch.Tensor, press, budget: int, tail: int,
 
 def run_row(args, model, tokenizer, samples: list[dict], label: str, press_name: str | None, keep: bool) -> dict:
     """One row over the samples: the summed score, and the question-tail retention of whole-prompt presses."""
-    press = _make_press(press_name, model) if press_name else None
+    press = make_press(press_name, model) if press_name else None
     new_tokens = TASKS[args.task][1]
     score, shares, start = 0.0, [], time.perf_counter()
     for sample in samples:

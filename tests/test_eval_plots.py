@@ -72,7 +72,7 @@ def test_accuracy_parts_claim_each_row_once_and_merge(tmp_path):
     from oasis_hf.tasks import TASKS
 
     out = tmp_path / "accuracy_qwen_1.5b"
-    key = ("kvpress SnapKV", 512, 8192, "vt")
+    key = ("kvpress SnapKV (query-aware)", 512, 8192, "vt")
     assert claim(part_path(out, 0), key) and not claim(part_path(out, 1), key) and not claim(out, key)
     assert claim(part_path(out, 1), ("dense", "full", 8192))
     assert claims_dir(part_path(out, 3)) == claims_dir(out) == tmp_path / "accuracy_qwen_1.5b.claims"
@@ -321,7 +321,7 @@ def test_accuracy_loads_the_draft_only_for_a_row_that_runs_with_it(tmp_path, mon
     import lm_eval.tasks
     import torch
 
-    from eval import accuracy
+    from eval import accuracy, press_baselines
     from oasis_hf.integrations import lm_eval as oasis_lm_eval
 
     loaded, made = [], []
@@ -341,6 +341,8 @@ def test_accuracy_loads_the_draft_only_for_a_row_that_runs_with_it(tmp_path, mon
     monkeypatch.setattr(lm_eval, "simple_evaluate",
                         lambda model, tasks, task_manager: {"results": {tasks[0]: {"score,none": 50.0}}})
     monkeypatch.setattr(oasis_lm_eval, "OasisLM", FakeLM)
+    monkeypatch.setattr(press_baselines, "PressLM", FakeLM)
+    monkeypatch.setattr(accuracy, "kv_shape", lambda model: {})
 
     def run(*methods, preset="gpu-qwen-1.5b"):
         loaded.clear(), made.clear()
@@ -349,7 +351,7 @@ def test_accuracy_loads_the_draft_only_for_a_row_that_runs_with_it(tmp_path, mon
                                           str(tmp_path / "acc"), "--methods", *methods])
         accuracy.main()
 
-    run("static (StreamingLLM)", "kvpress SnapKV")
+    run("static (StreamingLLM)", "kvpress SnapKV (query-aware)")
     assert loaded == ["qwen2.5-coder-1.5b-instruct"] and len(made) == 2
     assert not any("draft_model" in kwargs for kwargs in made)
 
@@ -444,3 +446,23 @@ def test_dense_graphed_generate_gives_the_tokens_of_generate():
     out, ttft = dense_graphed_generate(model, ids, mask, max_new_tokens=12)
     assert torch.equal(out, ref) and ttft > 0
     assert model.config._attn_implementation == before
+
+
+def test_accuracy_rows_count_every_gpu_byte_of_their_method():
+    """The memory columns of the accuracy tables: Qwen2.5-Coder-1.5B (28 layers, 2 KV heads of 128, bf16) at 16k
+    tokens: dense keeps the prompt's KV (448 MiB); OasisKV @2048 its pool (56 MiB) plus mean+minmax summaries of
+    blocks of 16 (3 x 1,024 blocks: 42 MiB) plus, with the 0.5B draft (24 layers, 2 KV heads of 64), the draft's
+    KV of the whole prompt (192 MiB, 43% of the target's per token) and its weights apart; a press its budget."""
+    from eval.accuracy import memory_columns
+
+    shapes = {"model": dict(layers=28, kv_heads=2, head_dim=128, element_bytes=2, weight_bytes=3 * 2**30),
+              "draft": dict(layers=24, kv_heads=2, head_dim=64, element_bytes=2, weight_bytes=2**30)}
+    row = dict(budget=2048, length=16384)
+    dense = memory_columns(row | {"method": "dense", "budget": "full"}, shapes)
+    assert dense == {"target KV MiB/seq": 448.0, "GPU total MiB/seq": 448.0}
+    ours = memory_columns(row | {"method": "lookahead (draft model)"}, shapes)
+    assert ours == {"target KV MiB/seq": 56.0, "summaries MiB/seq": 42.0, "draft KV MiB/seq": 192.0,
+                    "draft weights MiB": 1024.0, "GPU total MiB/seq": 290.0}
+    press = memory_columns(row | {"method": "kvpress SnapKV (query-aware)"}, shapes)
+    assert press == {"target KV MiB/seq": 56.0, "GPU total MiB/seq": 56.0}
+    assert memory_columns(row | {"method": "a method of an older run"}, shapes) == {}

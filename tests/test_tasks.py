@@ -118,7 +118,7 @@ def test_kvpress_baseline_is_refused_with_the_reason(tok):
     """Where kvpress is missing, or cannot hook this transformers (5.18+ passes `cache`, kvpress 0.5.5 reads
     `past_key_values`), a press row fails up front and says why, instead of running dense under its name."""
     pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra; `pip install -e .[dev]`")
-    from oasis_hf.integrations.lm_eval import OasisLM
+    from eval.press_baselines import PressLM
 
     try:
         import kvpress  # noqa: F401
@@ -133,7 +133,7 @@ def test_kvpress_baseline_is_refused_with_the_reason(tok):
             pytest.skip("kvpress can hook this transformers: test_kvpress_presses_compress_the_prompt runs them")
         expected = "reads `past_key_values`"
     with pytest.raises(UnsupportedError, match=expected):
-        OasisLM(pretrained=tiny_model("llama"), tokenizer=tok, budget=128, device="cpu", press="SnapKVPress")
+        PressLM(pretrained=tiny_model("llama"), tokenizer=tok, budget=128, device="cpu", press="SnapKVPress")
 
 
 def test_lm_eval_draft_model_runs_batched_and_matches_dense(tok):
@@ -168,18 +168,19 @@ def test_lm_eval_draft_model_runs_batched_and_matches_dense(tok):
 def test_kvpress_presses_compress_the_prompt(tok, press):
     """Where kvpress can hook this transformers (5.17, the GPU box's): the press really compresses each layer's prompt
     KV to `budget` tokens (kvpress 0.5.5 reads a ``cache_position`` that transformers 5.x no longer passes, which
-    OasisLM supplies while the press is active), and generation runs."""
+    PressLM supplies while the press is active), and the compressed cache decodes (``greedy_continue``, eager here
+    and with ``graphs=True``: the same text)."""
     _kvpress_hooks_or_skip()
     from lm_eval.api.instance import Instance
 
-    from oasis_hf.integrations.lm_eval import OasisLM
+    from eval.press_baselines import PressLM
 
     gen = {"until": [], "max_gen_toks": 6, "do_sample": False}
     prompts = [" ".join(f"word{(i * 7 + j) % 90}" for j in range(n)) for i, n in enumerate((300, 280))]
     requests = [Instance(request_type="generate_until", doc={}, arguments=(p, dict(gen)), idx=i)
                 for i, p in enumerate(prompts)]
-    lm = OasisLM(pretrained=tiny_model("llama"), tokenizer=tok, budget=128, block_size=16, device="cpu",
-                 batch_size=1, max_length=1024, press=press)
+    lm = PressLM(pretrained=tiny_model("llama"), tokenizer=tok, budget=128, device="cpu", batch_size=1,
+                 max_length=1024, press=press, protocol="whole-prompt")
     kept = []
     compress = lm.press.compress
 
@@ -192,12 +193,97 @@ def test_kvpress_presses_compress_the_prompt(tok, press):
     texts = lm.generate_until(requests, disable_tqdm=True)
     assert all(texts)
     assert kept and all(n_in > 128 and n_out == 128 for n_in, n_out in kept), kept
-    # graphs=True: the same compressed prefill, then `greedy_continue` over a StaticCache copy (eager on the CPU):
-    # the same text as generate's decoding of the compressed cache.
     kept.clear()
     lm.graphs = True
     assert lm.generate_until(requests, disable_tqdm=True) == texts
     assert kept and all(n_out == 128 for _, n_out in kept), kept
+
+
+def char_tokenizer():
+    """One token per character of the suite's prompts (letters, digits, punctuation, space, newline): exact
+    round trips within the tiny models' vocabulary."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
+    from tokenizers import models as tok_models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["<unk>", "<pad>", "<eos>"] + list(string.ascii_letters + string.digits + " \n.,:?!'-=")
+    backend = Tokenizer(tok_models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
+                                        eos_token="<eos>")
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+SUITE_PROMPT = ("Some special magic numbers are hidden in the text below. " * 6 + "\nThe harbour master repaired "
+                "a blue bicycle on Monday. " * 8 + "\nWhat is the special magic number for amber-falcon mentioned "
+                "in the text above? Answer with the number only.\nAnswer:")
+
+
+def test_question_split_finds_the_question_line_and_the_answer_cue():
+    """The press protocols cut a suite prompt where its question line and its final ``Answer:`` cue begin; a
+    prompt without that layout is refused with the protocol that works without it."""
+    from eval.press_baselines import question_split
+
+    tok = char_tokenizer()
+    ids = tok(SUITE_PROMPT)["input_ids"]
+    question, cue = question_split(tok, ids)
+    assert tok.decode(ids[question:]) == ("What is the special magic number for amber-falcon mentioned in the text "
+                                          "above? Answer with the number only.\nAnswer:")
+    assert tok.decode(ids[cue:]) == "Answer:"
+    with pytest.raises(UnsupportedError, match="protocol='whole-prompt'"):
+        question_split(tok, tok("no question here")["input_ids"])
+
+
+@pytest.mark.parametrize("press", ["SnapKVPress", "AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))"])
+@pytest.mark.parametrize("protocol", ["query-agnostic", "query-aware"])
+def test_press_protocols_count_the_uncompressed_tail_inside_the_budget(press, protocol):
+    """kvpress's protocols: the press sees the context (query-agnostic) or the context and question (query-aware);
+    the rest of the prompt follows uncompressed, and the press keeps ``budget - tail`` so that decoding starts from
+    `budget` tokens per layer and KV head (on average over a layer's heads for AdaKV, which masks the keys it
+    prunes). Decoding continues greedily from there."""
+    _kvpress_hooks_or_skip()
+    import torch
+    from lm_eval.api.instance import Instance
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eval.press_baselines import PressLM, kept_tokens, question_split
+
+    torch.manual_seed(0)
+    # head_dim 128 as in the real models: kvpress's head-wise masking needs a key direction that every query of the
+    # uncompressed tail scores negatively, which 16 dimensions do not offer for a hundred queries
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=128, vocab_size=128))
+    tok = char_tokenizer()
+    budget = 160
+    lm = PressLM(pretrained=model.eval(), tokenizer=tok, budget=budget, device="cpu", batch_size=1,
+                 max_length=2048, press=press, protocol=protocol)
+    seen = []
+    inner = lm.press.press if hasattr(lm.press, "press") else lm.press
+    score = inner.score
+
+    def spy(module, hidden_states, keys, values, attentions, kwargs):
+        seen.append((keys.shape[2], lm.press.compression_ratio))
+        return score(module, hidden_states, keys, values, attentions, kwargs)
+
+    inner.score = spy
+    ids = tok(SUITE_PROMPT)["input_ids"]
+    question, cue = question_split(tok, ids)
+    head = question if protocol == "query-agnostic" else cue
+    gen = {"until": [], "max_gen_toks": 5, "do_sample": False}
+    text = lm.generate_until([Instance(request_type="generate_until", doc={}, arguments=(SUITE_PROMPT, gen),
+                                       idx=0)], disable_tqdm=True)
+    assert len(text) == 1 and seen
+    assert all(n == head for n, _ in seen), (seen, head)  # the press saw the head only
+    kept = int(head * (1 - seen[0][1]))
+    assert kept == budget - (len(ids) - head)  # kvpress's rounding lands on the budget less the tail
+    from eval.press_baselines import press_prefill
+
+    cache, _ = press_prefill(lm.model, torch.tensor([ids]), lm.press, budget, len(ids) - head)
+    assert kept_tokens(lm.model, cache) == {budget}
 
 
 def _kvpress_hooks_or_skip():
@@ -222,12 +308,12 @@ def test_press_question_prefill_keeps_the_budget_both_ways(press_name):
     import torch
     from transformers import DynamicCache
 
+    from eval.press_baselines import make_press
     from eval.press_question import prefill
-    from oasis_hf.integrations.lm_eval import _make_press
 
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(0))
-    press = _make_press(press_name, model)
+    press = make_press(press_name, model)
     seen = []
     compress = press.compress
 
@@ -330,16 +416,43 @@ def test_every_accuracy_method_is_a_valid_configuration_at_every_preset_budget()
     and the OasisKV rows of the GPU preset share one selection setting, so that they differ in the queries only."""
     pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra; `pip install -e .[dev]`")
     from eval.accuracy import METHODS, PRESETS, SELECTION
+    from eval.press_baselines import PROTOCOLS
     from oasis_hf.integrations.lm_eval import oasis_config
 
-    lm_only = ("dense", "press", "draft", "prompt_lookup", "batch_size")
+    lm_only = ("dense", "press", "protocol", "draft", "prompt_lookup", "batch_size")
     for method, fields in METHODS.items():
+        if "press" in fields:
+            assert fields["protocol"] in PROTOCOLS and f"({fields['protocol'].replace('-prompt', ' prompt')})" in \
+                method, method  # the row's name says what the press saw
+            continue
         for budget in sorted({b for p in PRESETS.values() for b in p["budgets"]}):
             config = oasis_config(budget, **{k: v for k, v in fields.items() if k not in lm_only})
             assert config.budget_tokens == budget, method
     for method in PRESETS["gpu-qwen-1.5b"]["methods"]:
+        if "press" in METHODS[method]:
+            continue
         config = oasis_config(512, **{k: v for k, v in METHODS[method].items() if k not in lm_only})
         if config.selector != "static" and "dense" not in METHODS[method] and "press" not in METHODS[method]:
             assert (config.block_size, config.prefill_window_tokens, config.score_decay, config.summary) == tuple(
                 SELECTION.values())
             assert (config.sink_tokens, config.recent_tokens) == (16, 64)
+
+
+def test_press_specs_build_the_presses_kvpress_registers():
+    """Every press row of eval.accuracy names a press constructor kvpress builds (AdaKV wrapping its scorer, the
+    expected-attention epsilon passed through); anything else is refused naming the presses there are."""
+    _kvpress_hooks_or_skip()
+    import kvpress
+
+    from eval.accuracy import METHODS
+    from eval.press_baselines import make_press
+
+    model = tiny_model("llama")
+    for method, fields in METHODS.items():
+        if "press" in fields:
+            assert make_press(fields["press"], model) is not None, method
+    ada = make_press("AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))", model)
+    assert isinstance(ada, kvpress.AdaKVPress) and ada.press.epsilon == 1e-2
+    for bad in ("os.system('x')", "AdaKVPress(SnapKVPress(", "NoSuchPress"):
+        with pytest.raises(UnsupportedError, match="press"):
+            make_press(bad, model)

@@ -32,8 +32,8 @@ def greedy_continue(model, cache, first_ids: torch.Tensor, position: int, max_ne
 
     Parameters
     ----------
-    model : a causal LM (any attention implementation transformers builds masks for; on the "oasis" attention of
-        `oasis_hf.enable` the decode runs on SDPA, and the model is switched back after).
+    model : a causal LM (any attention implementation transformers builds masks for, the "oasis" attention of
+        `oasis_hf.enable` included: its mask function gives a StaticCache transformers' 4-D mask).
     cache : a `DynamicCache` holding the prompt's KV (``(1, kv_heads, kept, head_dim)`` per layer, the same ``kept``
         in every layer, as kvpress's scorer presses leave it); it is not modified.
     first_ids : (1, 1) the first generated token (the argmax of the prefill's last logits).

@@ -1,0 +1,222 @@
+"""kvpress baselines for the accuracy suite, run as kvpress runs them, at OasisKV's KV size.
+
+`PressLM` is the lm-eval model of `eval.accuracy`'s press rows: dense `DynamicCache` generation of one request at a
+time, with a kvpress press compressing the prompt's KV during the prefill, then greedy decoding of the compressed
+cache (`greedy_continue`: each step a CUDA graph replay on CUDA, eager elsewhere). It takes
+
+- ``press``: a kvpress press written as its constructor call, e.g. ``SnapKVPress``,
+  ``AdaKVPress(SnapKVPress())`` or ``AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))`` (kvpress's benchmark
+  registry runs expected attention that way); literal arguments only.
+- ``protocol``: which part of the prompt the press sees. The suite's prompts end with a question line and the
+  answer cue ``Answer:``.
+  - ``query-agnostic`` (kvpress's default): the context is compressed; the question and the cue are prefilled
+    uncompressed after it.
+  - ``query-aware`` (``query_aware=True`` in kvpress's evaluation): context and question are compressed; the cue
+    follows uncompressed.
+  - ``whole-prompt``: everything is compressed, cue included. This is not a kvpress protocol; it is kept to compare
+    with results that ran that way.
+
+The uncompressed tail counts inside the budget: the press keeps ``budget - tail`` tokens per layer and KV head, so
+the cache holds ``budget`` tokens per layer and KV head when decoding starts, as OasisKV holds ``budget`` on the GPU.
+Head-wise presses (AdaKV) keep that many on average over a layer's heads; kvpress masks the pruned keys rather than
+freeing them, so their real memory stays the prompt's (the accuracy tables count the budget). Their decode runs
+eagerly: kvpress's masking searches for its fake key with a data-dependent loop, which a CUDA graph cannot hold.
+
+Press rows run on SDPA, whatever attention earlier rows switched the shared model to: kvpress wraps the attention
+functions registered when it is imported, and its head-wise masking lives in that wrapper.
+
+kvpress 0.5.5 needs a transformers that passes ``past_key_values`` to attention modules (5.17; 5.18+ renamed it):
+`make_press` says so instead of letting a row run dense under a press's name.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+from oasis_hf import _compat
+from oasis_hf.errors import UnsupportedError
+from oasis_hf.integrations.lm_eval import OasisLM
+from oasis_hf.integrations.static_decode import greedy_continue
+
+PROTOCOLS = ("query-agnostic", "query-aware", "whole-prompt")
+#: The answer cue every suite prompt ends with (``oasis_hf.tasks.ruler``); the question is the line before it.
+CUE = "Answer:"
+
+
+def make_press(spec: str, model):
+    """The kvpress press that `spec` constructs (``SnapKVPress``, ``AdaKVPress(SnapKVPress())``, ...), checked to hook
+    this transformers; its compression ratio is set per request."""
+    try:
+        import kvpress
+    except ImportError as exc:
+        raise UnsupportedError(f"press={spec!r} needs kvpress (pip install kvpress)") from exc
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    if "past_key_values" not in inspect.signature(LlamaAttention.forward).parameters:
+        import transformers
+
+        raise UnsupportedError(
+            f"kvpress reads `past_key_values` from the attention modules' arguments, which transformers "
+            f"{transformers.__version__} passes as `cache`: run the kvpress baselines with transformers 5.17 "
+            "(kvpress 0.5.5 declares transformers<5.3)"
+        )
+    choices = sorted(n for n in dir(kvpress) if n.endswith("Press"))
+
+    def build(node):
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant):
+            return -node.operand.value
+        name = node.func if isinstance(node, ast.Call) else node
+        if not isinstance(name, ast.Name) or not name.id.endswith("Press") or not hasattr(kvpress, name.id):
+            raise UnsupportedError(f"press {spec!r}: {ast.unparse(node)!r} is not a kvpress press or a literal; "
+                                   f"presses: {choices}")
+        if not isinstance(node, ast.Call):
+            return getattr(kvpress, name.id)()
+        return getattr(kvpress, name.id)(*map(build, node.args), **{k.arg: build(k.value) for k in node.keywords})
+
+    try:
+        tree = ast.parse(spec, mode="eval").body
+    except SyntaxError as exc:
+        raise UnsupportedError(f"press {spec!r} is not a press constructor call such as AdaKVPress(SnapKVPress())") \
+            from exc
+    return build(tree)
+
+
+def question_split(tokenizer, ids: list[int]) -> tuple[int, int]:
+    """Token indices ``(question_start, cue_start)`` of a suite prompt `ids`: where its question line and its final
+    answer cue begin (a token that straddles a boundary belongs to the part after it)."""
+    pieces = tokenizer.batch_decode([[i] for i in ids])
+    text = "".join(pieces)
+    cue = text.rfind(CUE)
+    newline = text.rfind("\n", 0, cue)
+    if cue < 0 or newline < 0:
+        raise UnsupportedError(f"the prompt has no question line followed by the answer cue {CUE!r}: the press "
+                               "protocols need the suite's prompt layout; use protocol='whole-prompt'")
+    question = text.rfind("\n", 0, newline) + 1
+    starts, ends, pos = [], [], 0
+    for piece in pieces:
+        starts.append(pos)
+        pos += len(piece)
+        ends.append(pos)
+    return (next(i for i, end in enumerate(ends) if end > question),
+            next(i for i, end in enumerate(ends) if end > cue))
+
+
+def press_ratio(keep: int, num_tokens: int) -> float:
+    """The kvpress ``compression_ratio`` that keeps `keep` of `num_tokens` tokens (all of them if fewer): kvpress keeps
+    ``int(n * (1 - ratio))``, so aim half a token above `keep` and let the rounding land on it."""
+    return max(0.0, 1.0 - (keep + 0.5) / num_tokens)
+
+
+def kept_tokens(model, cache: DynamicCache) -> set[int]:
+    """Tokens per layer and KV head the cache holds for attention, on average over a layer's heads: its length less
+    the keys a head-wise press masked (kvpress's AdaKV keeps them in memory but never attends to them)."""
+    kept = set()
+    attention = [m for name, m in model.named_modules() if name.endswith("self_attn")]
+    for layer, module in zip(cache.layers, attention, strict=True):
+        batch, heads, length, _ = layer.keys.shape
+        masked = getattr(module, "masked_key_indices", None)
+        kept.add(length - (0 if masked is None else len(masked[0]) // (batch * heads)))
+    return kept
+
+
+def press_prefill(model, ids: torch.Tensor, press, budget: int, tail: int = 0) -> tuple[DynamicCache, torch.Tensor]:
+    """The prompt `ids` (1, n) into a `DynamicCache`: its first ``n - tail`` tokens compressed by `press` to
+    ``budget - tail`` tokens per layer and KV head, then the last `tail` prefilled after them uncompressed, at the
+    full prompt's rotary positions (kvpress's pipeline places its question so). Returns the cache and the last
+    logits (1, vocab)."""
+    if tail >= budget:
+        raise UnsupportedError(f"the uncompressed tail ({tail} tokens) does not fit in the budget ({budget}): the "
+                               "press would have nothing left to keep")
+    cache, last = DynamicCache(), _compat.last_logits_only(model)
+    head = ids[:, : ids.shape[1] - tail]
+    press.compression_ratio = press_ratio(budget - tail, head.shape[1])
+    with on_sdpa(model), press(model), cache_positions(model):
+        out = model(input_ids=head, past_key_values=cache, use_cache=True, **last)
+    if tail:
+        positions = torch.arange(head.shape[1], ids.shape[1], device=ids.device)[None]
+        with on_sdpa(model):
+            out = model(input_ids=ids[:, head.shape[1]:], past_key_values=cache, position_ids=positions,
+                        use_cache=True, **last)
+    expected = min(budget, ids.shape[1])
+    if kept_tokens(model, cache) != {expected}:
+        raise RuntimeError(f"the press left {sorted(kept_tokens(model, cache))} tokens per layer and head, not the "
+                           f"budget {expected}")
+    return cache, out.logits[:, -1]
+
+
+class PressLM(OasisLM):
+    """lm-eval model: one request at a time, compressed by a kvpress press under `protocol`, decoded greedily."""
+
+    def __init__(self, pretrained, press: str, protocol: str = "query-agnostic", budget: int = 2048,
+                 graphs: bool = False, **kwargs) -> None:
+        if protocol not in PROTOCOLS:
+            raise UnsupportedError(f"protocol={protocol!r}; choose one of {PROTOCOLS}")
+        # OasisLM validates an OasisConfig even for dense rows; blocks of 16 make any budget from 112 tokens valid.
+        kwargs.setdefault("block_size", 16)
+        super().__init__(pretrained, budget=budget, dense=True, graphs=graphs, **kwargs)
+        self.press_spec, self.protocol = press, protocol
+        self.press = make_press(press, self.model)
+
+    def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
+        if context.shape[0] != 1:
+            raise UnsupportedError("kvpress baselines compress one prompt at a time: run with --batch_size 1")
+        if bool(generation_kwargs.get("do_sample")) and float(generation_kwargs.get("temperature") or 0.0) > 0:
+            raise UnsupportedError("the press rows decode greedily; set do_sample=False")
+        tail = 0
+        if self.protocol != "whole-prompt":
+            question, cue = question_split(self.tokenizer, context[0].tolist())
+            tail = context.shape[1] - (question if self.protocol == "query-agnostic" else cue)
+        cache, logits = press_prefill(self.model, context, self.press, self.budget, tail)
+        eos = self.model.generation_config.eos_token_id
+        head_wise = any(getattr(m, "masked_key_indices", None) is not None for m in self.model.modules())
+        with on_sdpa(self.model):
+            new = greedy_continue(self.model, cache, logits.argmax(-1, keepdim=True), position=context.shape[1],
+                                  max_new_tokens=max(1, max_length - context.shape[1]) - 1,
+                                  eos_token_id=eos if eos is not None else self.tokenizer.eos_token_id,
+                                  graphs=self.graphs and not head_wise)
+        return torch.cat([context, new], dim=1)
+
+
+@contextlib.contextmanager
+def on_sdpa(model):
+    """The model on transformers' SDPA attention (which kvpress wrapped at import) while the block runs."""
+    config = _compat.text_config(model.config)
+    previous = config._attn_implementation
+    multimodal = config is not model.config
+    if previous != "sdpa":
+        model.set_attn_implementation({"text_config": "sdpa"} if multimodal else "sdpa")
+    try:
+        yield
+    finally:
+        if previous != "sdpa":
+            model.set_attn_implementation({"text_config": previous} if multimodal else previous)
+
+
+@contextlib.contextmanager
+def cache_positions(model):
+    """While a press is active: give every attention module the ``cache_position`` keyword (the positions of this
+    forward's tokens in its cache) that kvpress 0.5.5's hooks read to tell prefill from decoding, and that
+    transformers 5.x no longer passes. Forward pre-hooks on the attention modules, removed on exit."""
+
+    def add_positions(module, args, kwargs):
+        if "cache_position" not in kwargs:
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            cache = kwargs.get("past_key_values")
+            past = cache.get_seq_length(module.layer_idx) if cache is not None else 0
+            kwargs["cache_position"] = torch.arange(past, past + hidden.shape[1], device=hidden.device)
+        return args, kwargs
+
+    handles = [module.register_forward_pre_hook(add_positions, with_kwargs=True)
+               for name, module in model.named_modules() if name.endswith("self_attn")]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
