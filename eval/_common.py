@@ -140,10 +140,20 @@ def finish(args, table: str, payload: dict, plot=None) -> None:
         plot(payload, args.out)
 
 
+_RESULT_SUFFIXES = (".json", ".md", ".png")
+
+
+def result_path(path: Path, ext: str) -> Path:
+    """`path` with the result extension `ext`: a ``.json``/``.md``/``.png`` suffix is replaced, anything else is
+    kept (``--out eval/results/accuracy_qwen_1.5b`` gives ``accuracy_qwen_1.5b.json``, not ``accuracy_qwen_1.json``)."""
+    path = Path(path)
+    if path.suffix in _RESULT_SUFFIXES:
+        path = path.with_suffix("")
+    return path.with_name(path.name + ext)
+
+
 def write_results(path: Path, payload: dict, table: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    from eval.plot import result_path
-
     _write_atomic(result_path(path, ".json"), json.dumps(payload, indent=2, default=str))
     _write_atomic(result_path(path, ".md"), table + "\n")
 

@@ -47,8 +47,8 @@ from pathlib import Path
 
 import torch
 
-from eval._common import code_identity, environment, markdown_table, write_results
-from eval.plot import plot_vs_budget, result_path
+from eval._common import code_identity, environment, markdown_table, result_path, write_results
+from eval.plot import plot_accuracy
 from oasis_hf import models
 from oasis_hf.tasks import TASKS, relocate_suite, write_suite
 
@@ -647,14 +647,6 @@ def report(args, preset: dict, model, rows: list[dict], lm_eval_version: str, fi
         write_results(args.out, payload, table)
         if final and args.part is None:
             plot_accuracy(payload, args.out)
-
-
-def plot_accuracy(payload: dict, path: Path) -> Path | None:
-    """Suite average against the budget, one panel per context length and one line per method (complete rows only:
-    a mean over other lengths would compare methods measured at different lengths); dense as a horizontal line."""
-    rows = [r for r in payload["rows"] if "average" in r]
-    return plot_vs_budget(rows, "average", path, "suite average (0-100)", f"{payload['config']['model']}",
-                          panel="length")
 
 
 if __name__ == "__main__":

@@ -10,16 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-_RESULT_SUFFIXES = (".json", ".md", ".png")
-
-
-def result_path(path: Path, ext: str) -> Path:
-    """`path` with the result extension `ext`: a ``.json``/``.md``/``.png`` suffix is replaced, anything else is
-    kept (``--out eval/results/accuracy_qwen_1.5b`` gives ``accuracy_qwen_1.5b.json``, not ``accuracy_qwen_1.json``)."""
-    path = Path(path)
-    if path.suffix in _RESULT_SUFFIXES:
-        path = path.with_suffix("")
-    return path.with_name(path.name + ext)
+from eval._common import result_path
 
 
 def plot_decode(payload: dict, path: Path) -> Path | None:
@@ -218,6 +209,23 @@ def plot_e2e(payload: dict, path: Path) -> Path | None:
     return save_figure(fig, plt, result_path(path, ".png"))
 
 
+def plot_accuracy(payload: dict, path: Path) -> Path | None:
+    """Suite average against the budget, one panel per context length and one line per method (complete rows only:
+    a mean over other lengths would compare methods measured at different lengths); dense as a horizontal line."""
+    rows = [r for r in payload["rows"] if "average" in r]
+    return plot_vs_budget(rows, "average", path, "suite average (0-100)", f"{payload['config']['model']}",
+                          panel="length")
+
+
+def plot_recall(payload: dict, path: Path) -> Path | None:
+    """Attention mass on resident blocks against the budget, one line per method (PNG next to the table)."""
+    rows = [row | {"method": f"{row['method']} [{row.get('decoding', 'greedy')}]"} for row in payload["rows"]]
+    return plot_vs_budget(rows, "attention mass on resident", path,
+                          "exact attention mass on resident blocks",
+                          f"{payload['args']['model']}, ~{payload['args']['context']}-token "
+                          f"{payload['args'].get('task') or 'pass-key'} prompts")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Redraw the figure of each results JSON given, by the kind of run it holds."""
     for name in argv if argv is not None else sys.argv[1:]:
@@ -230,12 +238,8 @@ def main(argv: list[str] | None = None) -> None:
         elif "copy GB/s" in payload:
             print(plot_kernels(payload, path))
         elif "average" in first:
-            from eval.accuracy import plot_accuracy
-
             print(plot_accuracy(payload, path))
         elif "attention mass on resident" in first:
-            from eval.recall import plot_recall
-
             print(plot_recall(payload, path))
         elif "new tokens/s" in first:
             print(plot_e2e(payload, path))

@@ -32,7 +32,7 @@ import torch
 
 import oasis_hf
 from eval._common import code_identity, environment, markdown_table, write_results
-from eval.plot import plot_vs_budget
+from eval.plot import plot_recall
 from oasis_hf import models
 from oasis_hf.cli import _run, passkey_prompt
 from oasis_hf.tasks import TASKS
@@ -203,15 +203,6 @@ def report(args, model, rows: list[dict], final: bool) -> None:
         write_results(args.out, payload, table)
         if final:
             plot_recall(payload, args.out)
-
-
-def plot_recall(payload: dict, path: Path) -> Path | None:
-    """Attention mass on resident blocks against the budget, one line per method (PNG next to the table)."""
-    rows = [row | {"method": f"{row['method']} [{row.get('decoding', 'greedy')}]"} for row in payload["rows"]]
-    return plot_vs_budget(rows, "attention mass on resident", path,
-                          "exact attention mass on resident blocks",
-                          f"{payload['args']['model']}, ~{payload['args']['context']}-token "
-                          f"{payload['args'].get('task') or 'pass-key'} prompts")
 
 
 if __name__ == "__main__":

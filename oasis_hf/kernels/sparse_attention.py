@@ -25,8 +25,8 @@ import math
 
 import torch
 
-from oasis_hf.kernels import INTERPRET
 from oasis_hf.kernels._tiles import load_query_tile
+from oasis_hf.kernels.backend import INTERPRET
 
 try:
     import triton
