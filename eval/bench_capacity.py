@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 import oasis_hf
 from eval._common import code_identity, environment, finish, markdown_table
-from eval.bench_multigpu import (
+from eval._harness import (
     GIB,
     SHAPES,
     kv_bytes_per_token_layer,

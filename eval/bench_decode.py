@@ -20,28 +20,16 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
 import oasis_hf
 from eval._common import code_identity, environment, markdown_table, median, percentile, time_steps, write_results
+from eval._harness import LLAMA_8B, QWEN_7B, TINY, build_model
 from eval.dense_baselines import dense_graphed_row
 from eval.plot import plot_decode
 
 logger = logging.getLogger("eval.bench_decode")
 
-LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0)
-#: Qwen2.5-7B's attention and MLP sizes (GQA 7:1, 28 query heads over 4 KV heads) on the Llama architecture: the
-#: decode step's bytes and FLOPs are those of Qwen2.5-7B (its q/k/v biases do not change them measurably).
-QWEN_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, vocab_size=152064, max_position_embeddings=131072, rope_theta=1000000.0)
-#: Qwen2.5-Coder-1.5B's decode shape (the real pair's target) as a Llama: same layers, heads and widths; the q/k/v
-#: biases it adds do not change the speed.
-QWEN_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
-                 tie_word_embeddings=True)
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=256, max_position_embeddings=8192)
 
 # A method is (label, OasisConfig overrides); "selectors" run with CUDA graphs and prefetch on (the defaults).
 PRESETS = {
@@ -81,11 +69,6 @@ PRESETS = {
 }
 
 
-def build_model(shape: dict, device: str, dtype: torch.dtype) -> LlamaForCausalLM:
-    config = LlamaConfig(**shape)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype)
-    return model.eval()
 
 
 @torch.inference_mode()

@@ -33,18 +33,15 @@ import argparse
 import json
 import logging
 import math
-import re
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 import oasis_hf
 from eval._common import code_identity, environment, markdown_table, median, percentile, time_steps, write_results
-from eval.bench_decode import LLAMA_8B, QWEN_7B, TINY, build_model
-from eval.bench_multigpu import fill_random_kv, release_memory
+from eval._harness import FAMILIES, SHAPES, build_model, fill_random_kv, profile_families, release_memory
 from eval.dense_baselines import (
     GIB,
     check_dense_graphed,
@@ -60,25 +57,11 @@ from oasis_hf.cache.pinned import PinnedPool
 
 logger = logging.getLogger("eval.bench_floor")
 
-SHAPES = {"llama-8b": LLAMA_8B, "qwen-7b": QWEN_7B, "tiny": TINY}
 METHODS = ("dense-eager", "dense-graphed", "dense-compile", "oasis-static", "oasis-lookahead", "oasis-current-query",
            "oasis-lookahead-real")
 COLUMNS = ["method", "kind", "batch", "context", "ms_per_step", "ms/step (p90)", "tokens/s",
            "speed-up vs dense graphed", "step vs static", "vs dense eager", "host enqueue ms/step", "GPU KV MiB/seq",
            "host MiB/seq", "fetched blocks/(seq, head, layer-step)", "PCIe GB/s", "note"]
-#: Kernel families of the profile table: the first pattern that matches a kernel's name wins.
-FAMILIES = [
-    ("weight GEMMs", r"gemm|cutlass|nvjet|xmma|cublas|splitK"),
-    ("sparse attention", r"_sparse_attention_kernel"),
-    ("attention split merge", r"_merge_splits_kernel"),
-    ("append tokens (slots, pool, table, summaries)", r"_append_tokens_kernel"),
-    ("host write-back", r"_write_tokens_kernel|_copy_rows_kernel"),
-    ("block scoring", r"_stats_kernel|_scores_kernel|_score_blocks_kernel"),
-    ("plan_blocks", r"_plan_blocks_kernel"),
-    ("delta gather (PCIe)", r"_gather_blocks_kernel"),
-    ("dense attention", r"flash|fmha|attention"),
-    ("other PyTorch kernels (norms, RoPE, activations, index, reduce, copies)", r"."),
-]
 
 
 def parse_point(text: str) -> tuple[int, int]:
@@ -101,33 +84,8 @@ def delta_rate(path: Path | None) -> tuple[float | None, str]:
     return (max(plain) if plain else None), note
 
 
-def family(name: str) -> str:
-    return next(label for label, pattern in FAMILIES if re.search(pattern, name))
 
 
-def profile_families(step, layers: int, replays: int = 5) -> dict:
-    """GPU microseconds per layer-step and kernel launches per layer-step, by kernel family, over `replays` steps."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            step()
-        torch.cuda.synchronize()
-    time_us: dict[str, float] = defaultdict(float)
-    count: dict[str, int] = defaultdict(int)
-    kernels: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
-            label = family(event.name)
-            time_us[label] += event.device_time
-            count[label] += 1
-            kernels[event.name] += event.device_time
-    per = replays * layers
-    table = {label: {"us per layer-step": time_us[label] / per, "kernels per layer-step": count[label] / per}
-             for label, _ in FAMILIES if label in time_us}
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
-    return {"families": table, "top kernels (us per layer-step)": {name[:120]: t / per for name, t in top}}
 
 
 @torch.inference_mode()
@@ -410,8 +368,10 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     oasis_hf.register()
-    shape = SHAPES[args.shape]
     on_gpu = args.device.startswith("cuda")
+    if not on_gpu:
+        args.shape = "tiny"  # a smoke run of the plumbing (an 8B shape in float32 would not fit a CPU box)
+    shape = SHAPES[args.shape]
     model = build_model(shape, args.device, torch.bfloat16 if on_gpu else torch.float32)
     bandwidth = hbm_bandwidth(args.device, 4 * GIB if on_gpu else 2**26)
     logger.info("device-to-device copy bandwidth %.2f TB/s", bandwidth / 1e12)

@@ -47,15 +47,12 @@ from eval._common import (
     time_steps,
     write_results,
 )
-from eval.bench_decode import LLAMA_8B, QWEN_1_5B, TINY, build_model
-from eval.bench_floor import profile_families
-from eval.bench_multigpu import fill_random_kv, release_memory
+from eval._harness import SHAPES, build_model, fill_random_kv, profile_families, release_memory
 from eval.dense_baselines import GIB, dense_graphed_row
 from oasis_hf.cache.pinned import PinnedBuffer, PinnedPool
 
 logger = logging.getLogger("eval.bench_generate_path")
 
-SHAPES = {"llama-8b": LLAMA_8B, "qwen-1.5b": QWEN_1_5B, "tiny": TINY}
 COLUMNS = ["kind", "path", "method", "selector", "batch", "context", "ms_per_step", "ms/step (p90)",
            "vs DecodeGraph", "host ms/step (profiled)", "seconds", "host s", "vs dense", "peak GiB", "GB/s", "note"]
 

@@ -34,7 +34,7 @@ from transformers import LlamaConfig
 
 import oasis_hf
 from eval._common import code_identity, environment, finish, markdown_table, median
-from eval.bench_decode import LLAMA_8B
+from eval._harness import LLAMA_8B
 from eval.plot import plot_remote_memory
 from oasis_hf.remote import MooncakeCluster, MooncakeTier, attach, publish
 from oasis_hf.remote.store import block_key

@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 import oasis_hf
 from eval._common import code_identity, environment, markdown_table, write_results
-from eval.bench_multigpu import (
+from eval._harness import (
     GIB,
     SHAPES,
     kv_bytes_per_token_layer,

@@ -25,7 +25,7 @@ import torch
 
 import oasis_hf
 from eval._common import code_identity, finish, markdown_table
-from eval.bench_decode import TINY, build_model
+from eval._harness import TINY, build_model
 from eval.plot import pyplot_or_none, result_path, save_figure
 
 logger = logging.getLogger("eval.soak")

@@ -1,0 +1,51 @@
+"""The lab's layout: benchmark and evaluation scripts under eval/ import the shared modules (results and tables,
+the benchmark harness, figures, the baselines) and never one another, and eval/ has no import cycle."""
+
+import ast
+from pathlib import Path
+
+EVAL = Path(__file__).resolve().parents[1] / "eval"
+SHARED = {"_common", "_harness", "plot", "dense_baselines", "press_baselines"}
+
+
+def eval_imports() -> dict[str, set[str]]:
+    """eval module -> the eval modules it imports (anywhere in the file: function-level imports count)."""
+    graph = {}
+    for path in EVAL.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("eval."):
+                names.add(node.module.split(".")[1])
+            elif isinstance(node, ast.ImportFrom) and node.module == "eval":
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.Import):
+                names.update(a.name.split(".")[1] for a in node.names if a.name.startswith("eval."))
+        graph[path.stem] = names
+    return graph
+
+
+def test_no_eval_script_imports_another():
+    graph = eval_imports()
+    assert SHARED <= set(graph), SHARED - set(graph)
+    for module, imported in graph.items():
+        wrong = imported - SHARED
+        assert not wrong, f"eval/{module}.py imports the script(s) {sorted(wrong)}: move what they share to a shared module"
+
+
+def test_eval_has_no_import_cycle():
+    graph = eval_imports()
+    state: dict[str, int] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        if state.get(module) == 1:
+            raise AssertionError("import cycle: " + " -> ".join([*path, module]))
+        if state.get(module) == 2:
+            return
+        state[module] = 1
+        for other in sorted(graph.get(module, ())):
+            visit(other, [*path, module])
+        state[module] = 2
+
+    for module in sorted(graph):
+        visit(module, [])
