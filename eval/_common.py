@@ -107,6 +107,19 @@ def time_steps(step, warmup: int, repeats: int, enqueue_ms: list[float] | None =
     return times
 
 
+def pipelined_ms(step, repeats: int) -> float:
+    """Mean milliseconds per call of `step()` over `repeats` calls queued back to back with one synchronisation at
+    the end: the step of a loop that never waits for the device. Against `time_steps` (synchronised around every
+    call) the difference is the host work a loop that waits every step, such as transformers' ``generate``, cannot
+    hide behind the GPU."""
+    synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    synchronize()
+    return (time.perf_counter() - t0) * 1e3 / repeats
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
