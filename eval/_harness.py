@@ -219,3 +219,37 @@ def profile_families(step, layers: int, replays: int = 5) -> dict:
     return {"families": table, "top kernels (us per layer-step)": {name[:120]: t / per for name, t in top}}
 
 
+
+
+@contextlib.contextmanager
+def yarn_context(model, tokens: int):
+    """The model's rotary embeddings stretched with YaRN to hold `tokens` positions while the block runs, as the
+    Qwen2.5 model cards describe (``rope_type="yarn"``, ``factor`` the smallest power of two that covers `tokens`
+    over the trained window, ``original_max_position_embeddings`` that window); nothing changes when `tokens` fits
+    the window. The rotary modules are rebuilt from the changed config and the originals put back after, so rows at
+    shorter lengths run the model as trained."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    window = config.max_position_embeddings
+    if tokens <= window:
+        yield 1.0
+        return
+    factor = 2.0
+    while window * factor < tokens:
+        factor *= 2
+    saved = (dict(config.rope_parameters), window)
+    rotary = [(parent, name, module) for parent in model.modules() for name, module in parent.named_children()
+              if hasattr(module, "inv_freq") and hasattr(module, "rope_type")]
+    if not rotary:
+        raise ValueError(f"{type(model).__name__} has no rotary embedding module to stretch to {tokens} tokens")
+    config.rope_parameters = {**saved[0], "rope_type": "yarn", "factor": factor,
+                              "original_max_position_embeddings": window}
+    config.max_position_embeddings = int(window * factor)
+    try:
+        for parent, name, module in rotary:
+            setattr(parent, name, type(module)(config=config).to(module.inv_freq.device))
+        logger.info("YaRN: rotary embeddings stretched %gx to %d positions", factor, config.max_position_embeddings)
+        yield factor
+    finally:
+        config.rope_parameters, config.max_position_embeddings = saved
+        for parent, name, module in rotary:
+            setattr(parent, name, module)

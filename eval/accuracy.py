@@ -23,6 +23,10 @@ shared list as they go (a (row, task)'s claim is a file created exclusively unde
 own ``<out>.partK`` files, then merges them into ``--out``: on an 8-GPU machine the 30,000 requests take about an
 eighth of the time. A worker that dies leaves its claimed task undone; ``--resume`` runs it next time.
 
+Lengths beyond the model's trained window (``--lengths 65536`` on Qwen2.5's 32k) run with YaRN rope scaling, as the
+model card describes, target and draft alike (`eval._harness.yarn_context`); the rows at shorter lengths run the
+model as trained.
+
 kvpress presses run through kvpress's own API at the same KV size (`eval.press_baselines`): under kvpress's
 protocols, query-agnostic (the context compressed, the question and the answer cue prefilled after it) or query-aware
 (context and question compressed, the cue after them), the uncompressed tail counted inside the budget; SnapKV, AdaKV
@@ -35,6 +39,7 @@ keeps per sequence (`memory_columns`: the target's KV, OasisKV's summaries, the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -48,6 +53,7 @@ from pathlib import Path
 import torch
 
 from eval._common import code_identity, environment, markdown_table, result_path, write_results
+from eval._harness import yarn_context
 from eval.plot import plot_accuracy
 from oasis_hf import models
 from oasis_hf.tasks import TASKS, relocate_suite, write_suite
@@ -204,45 +210,53 @@ def main() -> None:
     # One harness call per (length, method, budget, task): each finished task is written at once, so a time
     # limit loses at most the task in flight, and a row's average appears when all its tasks are in.
     for length in preset["lengths"]:
-        for method in preset["methods"]:
-            fields = dict(METHODS[method])
-            needs_draft = fields.pop("draft", False)
-            batch_size = fields.pop("batch_size", preset["batch_size"])
-            for budget in ([None] if fields.get("dense") else preset["budgets"]):
-                key = (method, budget or "full", length)
-                todo = [t for t in args.tasks or TASKS if t not in previous.get(key, {})]
-                if not todo:
-                    logger.info("%s @%s, %d tokens: in %s already", method, budget, length, args.out)
-                    continue
-                lm = None
-                for task in todo:
-                    if args.part is not None and not claim(args.out, (*key, task)):
-                        continue  # another worker has it
-                    if lm is None:
-                        if needs_draft:
-                            if draft is None:
-                                draft = models.load(preset["draft"], device=device)[0]
-                                preset["shapes"]["draft"] = kv_shape(draft)
-                            fields["draft_model"] = draft
-                        lm_class = PressLM if "press" in fields else OasisLM
-                        lm = lm_class(pretrained=model, tokenizer=tokenizer, budget=budget or 2048,
-                                      device=device, batch_size=batch_size, graphs=preset["whole_step_graphs"],
-                                      **fields)
-                    name = f"oasis_ruler_{task}_{length}"
-                    started = time.perf_counter()
-                    out = lm_eval.simple_evaluate(model=lm, tasks=[name], task_manager=manager)
-                    seconds = time.perf_counter() - started
-                    row = next((r for r in rows if row_key(r) == key), None)
-                    if row is None:
-                        row = {"method": method, "budget": budget or "full", "length": length,
-                               **{t: v for t, v in previous.get(key, {}).items() if t in TASKS or t == "seconds"}}
-                        rows.append(row)
-                    row[task] = out["results"][name]["score,none"]
-                    row.setdefault("seconds", {})[task] = round(seconds, 1)
-                    complete_row(row)
-                    logger.info("%s @%s, %d tokens, %s: %.1f in %.0f s%s", method, budget, length, task, row[task],
-                                seconds, f" (row average {row['average']:.1f})" if "average" in row else "")
-                    report(args, preset, model, rows, lm_eval.__version__, final=False)
+        # Beyond the model's trained window (64k for Qwen2.5's 32k), YaRN as its model card describes: target and
+        # draft alike, for this length's rows only.
+        need = length + max(TASKS[t][1] for t in TASKS) + 64
+        with contextlib.ExitStack() as stretched:
+            stretched.enter_context(yarn_context(model, need))
+            if draft is not None:
+                stretched.enter_context(yarn_context(draft, need))
+            for method in preset["methods"]:
+                fields = dict(METHODS[method])
+                needs_draft = fields.pop("draft", False)
+                batch_size = fields.pop("batch_size", preset["batch_size"])
+                for budget in ([None] if fields.get("dense") else preset["budgets"]):
+                    key = (method, budget or "full", length)
+                    todo = [t for t in args.tasks or TASKS if t not in previous.get(key, {})]
+                    if not todo:
+                        logger.info("%s @%s, %d tokens: in %s already", method, budget, length, args.out)
+                        continue
+                    lm = None
+                    for task in todo:
+                        if args.part is not None and not claim(args.out, (*key, task)):
+                            continue  # another worker has it
+                        if lm is None:
+                            if needs_draft:
+                                if draft is None:
+                                    draft = models.load(preset["draft"], device=device)[0]
+                                    preset["shapes"]["draft"] = kv_shape(draft)
+                                    stretched.enter_context(yarn_context(draft, need))
+                                fields["draft_model"] = draft
+                            lm_class = PressLM if "press" in fields else OasisLM
+                            lm = lm_class(pretrained=model, tokenizer=tokenizer, budget=budget or 2048,
+                                          device=device, batch_size=batch_size, graphs=preset["whole_step_graphs"],
+                                          **fields)
+                        name = f"oasis_ruler_{task}_{length}"
+                        started = time.perf_counter()
+                        out = lm_eval.simple_evaluate(model=lm, tasks=[name], task_manager=manager)
+                        seconds = time.perf_counter() - started
+                        row = next((r for r in rows if row_key(r) == key), None)
+                        if row is None:
+                            row = {"method": method, "budget": budget or "full", "length": length,
+                                   **{t: v for t, v in previous.get(key, {}).items() if t in TASKS or t == "seconds"}}
+                            rows.append(row)
+                        row[task] = out["results"][name]["score,none"]
+                        row.setdefault("seconds", {})[task] = round(seconds, 1)
+                        complete_row(row)
+                        logger.info("%s @%s, %d tokens, %s: %.1f in %.0f s%s", method, budget, length, task, row[task],
+                                    seconds, f" (row average {row['average']:.1f})" if "average" in row else "")
+                        report(args, preset, model, rows, lm_eval.__version__, final=False)
     report(args, preset, model, rows, lm_eval.__version__, final=True)
 
 

@@ -315,6 +315,7 @@ def test_accuracy_loads_the_draft_only_for_a_row_that_runs_with_it(tmp_path, mon
     """A run of baseline rows never loads the draft (a GPU session that runs only the presses need not carry its
     weights); the first drafted row loads it once and hands it to every drafted row; a drafted method on a preset
     without a draft stops before any model is loaded."""
+    import contextlib
     import sys
 
     import lm_eval
@@ -343,6 +344,7 @@ def test_accuracy_loads_the_draft_only_for_a_row_that_runs_with_it(tmp_path, mon
     monkeypatch.setattr(oasis_lm_eval, "OasisLM", FakeLM)
     monkeypatch.setattr(press_baselines, "PressLM", FakeLM)
     monkeypatch.setattr(accuracy, "kv_shape", lambda model: {})
+    monkeypatch.setattr(accuracy, "yarn_context", lambda model, tokens: contextlib.nullcontext())
 
     def run(*methods, preset="gpu-qwen-1.5b"):
         loaded.clear(), made.clear()
@@ -466,3 +468,30 @@ def test_accuracy_rows_count_every_gpu_byte_of_their_method():
     press = memory_columns(row | {"method": "kvpress SnapKV (query-aware)"}, shapes)
     assert press == {"target KV MiB/seq": 56.0, "GPU total MiB/seq": 56.0}
     assert memory_columns(row | {"method": "a method of an older run"}, shapes) == {}
+
+
+def test_yarn_context_stretches_the_rotary_embedding_for_long_rows_only():
+    """Rows beyond the model's trained window run with YaRN (factor 2 over a 4k window for 6k tokens: transformers'
+    yarn parameters, attention scaled by 0.1 ln 2 + 1); rows within it, and every row after the block, run the model
+    as trained: the same logits to the bit."""
+    import math
+
+    import torch
+
+    from eval._harness import yarn_context
+    from tests._factories import tiny_model
+
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, 100, (1, 50), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        trained = model(ids).logits
+        with yarn_context(model, 4000) as factor:
+            assert factor == 1.0 and torch.equal(model(ids).logits, trained)
+        with yarn_context(model, 6000) as factor:
+            assert factor == 2.0 and model.config.max_position_embeddings == 8192
+            assert model.config.rope_parameters["rope_type"] == "yarn"
+            assert math.isclose(model.model.rotary_emb.attention_scaling, 0.1 * math.log(2) + 1)
+            stretched = model(ids).logits
+        assert not torch.equal(stretched, trained)
+        assert model.config.max_position_embeddings == 4096 and model.config.rope_parameters["rope_type"] == "default"
+        assert torch.equal(model(ids).logits, trained)
