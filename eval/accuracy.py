@@ -116,6 +116,8 @@ METHODS = {
         selector="lookahead", draft=True, **BLOCK_32 | dict(prefill_window_tokens=32, score_decay=0.9)),
     "current-query (block 32)": dict(selector="current-query", **BLOCK_32),
 }
+#: Label suffix of the rows run with the model's chat template (``--chat-template``).
+CHAT_SUFFIX = " [chat template]"
 DIAGNOSTIC = [m for m in METHODS if m.startswith("lookahead (draft model, ") or m.endswith("(block 32)")
               or m.endswith("(whole prompt)")]
 
@@ -167,6 +169,9 @@ def main() -> None:
                         help="with --merge-from (or alone): rename --out's rows of method OLD to NEW first (when a "
                              "method's definition in METHODS changes, its earlier rows keep a name that says what "
                              "they ran); recorded under 'relabelled'")
+    parser.add_argument("--chat-template", action="store_true",
+                        help="wrap every prompt in the model's chat template (lm-eval's apply_chat_template); the rows "
+                             f"are labelled '<method>{CHAT_SUFFIX}' (a sensitivity check of the plain-prompt rows)")
     parser.add_argument("--report", action="store_true",
                         help="only rewrite --out's markdown and plot from its JSON (after the table layout or the "
                              "memory columns changed); runs nothing")
@@ -222,7 +227,8 @@ def main() -> None:
                 needs_draft = fields.pop("draft", False)
                 batch_size = fields.pop("batch_size", preset["batch_size"])
                 for budget in ([None] if fields.get("dense") else preset["budgets"]):
-                    key = (method, budget or "full", length)
+                    label = method + CHAT_SUFFIX if args.chat_template else method
+                    key = (label, budget or "full", length)
                     todo = [t for t in args.tasks or TASKS if t not in previous.get(key, {})]
                     if not todo:
                         logger.info("%s @%s, %d tokens: in %s already", method, budget, length, args.out)
@@ -244,11 +250,12 @@ def main() -> None:
                                           **fields)
                         name = f"oasis_ruler_{task}_{length}"
                         started = time.perf_counter()
-                        out = lm_eval.simple_evaluate(model=lm, tasks=[name], task_manager=manager)
+                        out = lm_eval.simple_evaluate(model=lm, tasks=[name], task_manager=manager,
+                                                      apply_chat_template=args.chat_template)
                         seconds = time.perf_counter() - started
                         row = next((r for r in rows if row_key(r) == key), None)
                         if row is None:
-                            row = {"method": method, "budget": budget or "full", "length": length,
+                            row = {"method": label, "budget": budget or "full", "length": length,
                                    **{t: v for t, v in previous.get(key, {}).items() if t in TASKS or t == "seconds"}}
                             rows.append(row)
                         row[task] = out["results"][name]["score,none"]
@@ -588,7 +595,7 @@ def memory_columns(row: dict, shapes: dict) -> dict:
     pool of `budget` tokens; kvpress: the `budget` tokens left after compression, masked AdaKV keys not counted),
     OasisKV's block summaries, the draft model's KV of the whole prompt (it decodes densely), and the draft's
     weights (shared by a batch, so apart from the per-sequence total)."""
-    fields = METHODS.get(row["method"])
+    fields = METHODS.get(row["method"].removesuffix(CHAT_SUFFIX))
     if fields is None:
         return {}
     target, length = shapes["model"], row["length"]

@@ -337,20 +337,26 @@ def test_accuracy_loads_the_draft_only_for_a_row_that_runs_with_it(tmp_path, mon
 
     monkeypatch.setattr(accuracy.models, "load", load)
     monkeypatch.setattr(accuracy, "cached_suite", lambda *args: [])
-    monkeypatch.setattr(accuracy, "report", lambda *args, **kwargs: None)
+    reports, calls = [], []
+    monkeypatch.setattr(accuracy, "report", lambda args, preset, model, rows, *a, **k: reports.append(
+        [dict(row) for row in rows]))
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda include_path: None)
-    monkeypatch.setattr(lm_eval, "simple_evaluate",
-                        lambda model, tasks, task_manager: {"results": {tasks[0]: {"score,none": 50.0}}})
+
+    def evaluate(model, tasks, task_manager, **kwargs):
+        calls.append(kwargs)
+        return {"results": {tasks[0]: {"score,none": 50.0}}}
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", evaluate)
     monkeypatch.setattr(oasis_lm_eval, "OasisLM", FakeLM)
     monkeypatch.setattr(press_baselines, "PressLM", FakeLM)
     monkeypatch.setattr(accuracy, "kv_shape", lambda model: {})
     monkeypatch.setattr(accuracy, "yarn_context", lambda model, tokens: contextlib.nullcontext())
 
-    def run(*methods, preset="gpu-qwen-1.5b"):
+    def run(*methods, preset="gpu-qwen-1.5b", extra=()):
         loaded.clear(), made.clear()
         monkeypatch.setattr(sys, "argv", ["eval.accuracy", "--preset", preset, "--device", "cpu", "--lengths", "8192",
                                           "--budgets", "512", "--tasks", "niah_single", "--out",
-                                          str(tmp_path / "acc"), "--methods", *methods])
+                                          str(tmp_path / "acc"), *extra, "--methods", *methods])
         accuracy.main()
 
     run("static (StreamingLLM)", "kvpress SnapKV (query-aware)")
@@ -364,6 +370,11 @@ def test_accuracy_loads_the_draft_only_for_a_row_that_runs_with_it(tmp_path, mon
     with pytest.raises(SystemExit):
         run("lookahead (draft model)", preset="cpu-smollm2-2k")
     assert loaded == []
+    # The chat-template sensitivity check: lm-eval wraps the prompts, and the rows say so in their name.
+    assert calls and all(call["apply_chat_template"] is False for call in calls)
+    run("static (StreamingLLM)", extra=("--chat-template",))
+    assert calls[-1]["apply_chat_template"] is True
+    assert reports[-1][-1]["method"] == "static (StreamingLLM) [chat template]"
 
 
 def test_floor_bench_runs_every_kind_of_row_in_one_process(tmp_path, monkeypatch):
