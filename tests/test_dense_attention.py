@@ -53,6 +53,10 @@ def test_left_padded_prefill_runs_unpadded_per_sequence_and_matches(kv_heads, mo
     full = torch.ones(3, 24, dtype=torch.long)
     torch.testing.assert_close(dense_attention(query, key, value, full, scale=0.3),
                                reference(query, key, value, None, 0.3).float())
+    # The padding lengths given by a caller that knows them (OasisCache reads them once per prefill, not per layer):
+    # no host read of the mask, the same result.
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("read the mask back"))
+    torch.testing.assert_close(dense_attention(query, key, value, mask, scale=0.3, pad_lengths=[0, 5, 24]), out)
 
 
 def test_masks_the_fast_path_does_not_take_match_too(monkeypatch):

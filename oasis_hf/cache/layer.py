@@ -301,8 +301,8 @@ class OasisLayer(CacheLayerMixin):
 
     def _prefill(self, query, key, value, attention_mask, scale, end) -> torch.Tensor:
         cfg = self.config
-        out = dense_attention(query, key, value, attention_mask, scale)
-        self.kv_start = self.cache.padding_starts(attention_mask, self.batch_size, end, self.device)
+        self.kv_start, pads = self.cache.padding_starts(attention_mask, self.batch_size, end, self.device)
+        out = dense_attention(query, key, value, attention_mask, scale, pad_lengths=pads)
         num_blocks = -(-end // cfg.block_size)
         pad = num_blocks * cfg.block_size - end
         blocks_k = torch.nn.functional.pad(key, (0, 0, 0, pad)).view(
@@ -752,10 +752,11 @@ def block_mass(query: torch.Tensor, keys: torch.Tensor, scale: float, q_pos: tor
     return torch.nn.functional.pad(mass, (0, capacity_blocks - num_blocks))
 
 
-def padding_starts(attention_mask, batch: int, length: int, device) -> torch.Tensor:
-    """(B,) first real position from a 2-D left-padding mask (None: no padding)."""
+def padding_starts(attention_mask, batch: int, length: int, device) -> tuple[torch.Tensor, list[int]]:
+    """The first real position of each sequence from a 2-D left-padding mask (None: no padding), as a (B,) long
+    tensor on `device` and as a host list (the number of padding tokens per sequence), read in one synchronisation."""
     if attention_mask is None:
-        return torch.zeros(batch, dtype=torch.long, device=device)
+        return torch.zeros(batch, dtype=torch.long, device=device), [0] * batch
     if attention_mask.dim() != 2:
         raise UnsupportedError(
             f"OasisCache needs the 2-D padding mask of the 'oasis' mask function, got shape "
@@ -763,12 +764,14 @@ def padding_starts(attention_mask, batch: int, length: int, device) -> torch.Ten
         )
     mask = attention_mask[:, -length:].to(device=device, dtype=torch.bool)
     first = mask.int().argmax(dim=-1)
-    if not bool((mask.sum(-1) == length - first).all()):
+    left = mask.sum(-1) == length - first
+    pads, ok = torch.stack([first, left.long()]).tolist()
+    if not all(ok):
         raise UnsupportedError(
             "OasisCache supports left padding only (real tokens contiguous at the end); set "
             "tokenizer.padding_side = 'left'"
         )
-    return first.long()
+    return first.long(), pads
 
 
 def _capture(layer: OasisLayer, kind: str, stream: torch.cuda.Stream, fn):

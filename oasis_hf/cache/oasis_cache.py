@@ -97,7 +97,7 @@ class OasisCache(Cache):
         self._capture_streams: dict[tuple[torch.device, bool], torch.cuda.Stream] = {}
         self._prefetchers: dict[torch.device, Prefetcher] = {}
         self._whole_step = None  # the `oasis_hf.DecodeGraph` whose forward is running (layers take its path)
-        self._starts: tuple | None = None  # (mask, length, device, starts) of the last prefill: see `padding_starts`
+        self._starts: tuple | None = None  # (mask, length, device, result) of the last prefill: see `padding_starts`
         #: The `oasis_hf.DecodeGraph` that ``model.generate``'s decode forwards replay over this cache (created by the
         #: fast path `oasis_hf.enable` installs, on the first decode forward; None until then or when not used).
         self.graph_runner = None
@@ -366,8 +366,10 @@ class OasisCache(Cache):
             "use a fresh cache per expanded batch"
         )
 
-    def padding_starts(self, attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
-        """(B,) first real position of each sequence from the forward's 2-D left-padding mask (None: no padding).
+    def padding_starts(self, attention_mask: torch.Tensor | None, batch: int, length: int,
+                       device) -> tuple[torch.Tensor, list[int]]:
+        """The first real position of each sequence from the forward's 2-D left-padding mask (None: no padding): a
+        (B,) long tensor on `device`, and the same numbers on the host (padding tokens per sequence).
 
         Every layer of a prefill forward gets the same mask: it is read and checked (one host synchronisation) for
         the first layer only, not once per layer, which would stop the host from queueing ahead of the GPU."""

@@ -24,11 +24,14 @@ def dense_attention(
     sliding_window: int | None = None,
     is_causal: bool = True,
     dropout: float = 0.0,
+    pad_lengths: list[int] | None = None,
 ) -> torch.Tensor:
     """Attention of `query` (B, H_q, T, D) over `key`/`value` (B, H_kv, L, D); returns (B, T, H_q, D).
 
     padding_mask : (B, L) bool or None — False marks padding keys. Query rows that see no key attend to their own
     position so their (unused) outputs stay finite.
+    pad_lengths : the padding tokens per sequence when the caller knows them on the host and the padding is all on
+        the left (a causal prefill then skips reading them back from the mask).
     """
     batch, num_q_heads, num_tokens, _ = query.shape
     num_kv_heads, kv_len = key.shape[1], key.shape[2]
@@ -55,7 +58,7 @@ def dense_attention(
         return out.transpose(1, 2)
     if (padding_mask is not None and sliding_window is None and is_causal and num_tokens == kv_len > 1
             and not (query.is_cuda and torch.cuda.is_current_stream_capturing())):
-        out = _left_padded_prefill(query, key, value, padding_mask, scale, gqa, dropout)
+        out = _left_padded_prefill(query, key, value, padding_mask, scale, gqa, dropout, pad_lengths)
         if out is not None:
             return out
     if gqa:  # explicit masks take the memory-efficient kernel, which wants equal head counts
@@ -85,24 +88,27 @@ def dense_attention(
     return torch.cat(outs, dim=2).transpose(1, 2)
 
 
-def _left_padded_prefill(query, key, value, padding_mask, scale: float, gqa: bool, dropout: float):
+def _left_padded_prefill(query, key, value, padding_mask, scale: float, gqa: bool, dropout: float,
+                         pad_lengths: list[int] | None = None):
     """A causal prefill (``T == L``) whose padding is all on the left, as one unpadded causal SDPA call per sequence:
     the fused causal kernels (flash attention on CUDA) instead of an explicit mask, which takes the memory-efficient
     kernel over the whole ``T x L`` square and, with GQA, K/V copied per query head. Padded query rows attend to
     their own position, as in the masked path. Returns (B, T, H_q, D_v), or None where a real token follows a padded
-    one (the masked path handles that). Reads the padding lengths on the host: not for graph capture."""
-    mask = padding_mask.to(torch.bool)
-    left = (mask[:, 1:] >= mask[:, :-1]).all(dim=1)  # (B,) no real token before a padded one
-    pads = torch.stack([(~mask).sum(dim=1), left.long()]).tolist()  # one host read for both
-    if not all(pads[1]):
-        return None
-    if not any(pads[0]):  # no padding at all: one batched call
+    one (the masked path handles that). Reads the padding lengths on the host unless `pad_lengths` gives them (left
+    padding known): not for graph capture."""
+    if pad_lengths is None:
+        mask = padding_mask.to(torch.bool)
+        left = (mask[:, 1:] >= mask[:, :-1]).all(dim=1)  # (B,) no real token before a padded one
+        pad_lengths, ok = torch.stack([(~mask).sum(dim=1), left.long()]).tolist()  # one host read for both
+        if not all(ok):
+            return None
+    if not any(pad_lengths):  # no padding at all: one batched call
         return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scale, is_causal=True,
                                               enable_gqa=gqa).transpose(1, 2)
     batch, num_q_heads, num_tokens, _ = query.shape
     group = num_q_heads // key.shape[1]
     out = query.new_empty(batch, num_tokens, num_q_heads, value.shape[-1])
-    for b, pad in enumerate(pads[0]):
+    for b, pad in enumerate(pad_lengths):
         if pad:
             out[b, :pad] = value[b, :, :pad].repeat_interleave(group, dim=0).transpose(0, 1)
         if pad < num_tokens:
