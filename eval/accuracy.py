@@ -579,11 +579,11 @@ MEMORY = ("target KV MiB/seq", "summaries MiB/seq", "draft KV MiB/seq", "GPU tot
 def kv_shape(model) -> dict:
     """What `memory_columns` needs of a loaded model: full-attention layers, KV heads, head size, element bytes,
     parameter bytes."""
-    from oasis_hf import _compat
+    from oasis_hf import compat
 
-    config = _compat.text_config(model.config)
+    config = compat.text_config(model.config)
     param = next(model.parameters())
-    return {"layers": sum(t == "full_attention" for t in _compat.layer_types(config)),
+    return {"layers": sum(t == "full_attention" for t in compat.layer_types(config)),
             "kv_heads": config.num_key_value_heads,
             "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
             "element_bytes": param.element_size(),

@@ -40,7 +40,7 @@ import oasis_hf
 from eval._common import code_identity, environment, finish, markdown_table, synchronize, write_results
 from eval.dense_baselines import dense_graphed_generate
 from eval.plot import plot_e2e
-from oasis_hf import _compat, models
+from oasis_hf import compat, models
 from oasis_hf.cli import passkey_prompt
 
 logger = logging.getLogger("eval.bench_e2e")
@@ -158,7 +158,7 @@ def main() -> None:
         extra = {"assistant_model": draft} if kind == "assisted" else {}
         cache = cache if cache is not None else DynamicCache(config=model.config)
         clock = FirstToken()
-        out = model.generate(**inputs, **gen, **extra, **{_compat.cache_kwarg(model): cache},
+        out = model.generate(**inputs, **gen, **extra, **{compat.cache_kwarg(model): cache},
                              stopping_criteria=StoppingCriteriaList([clock]))
         return out, None, clock.first
 

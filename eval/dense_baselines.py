@@ -27,7 +27,7 @@ from transformers import AttentionInterface, DynamicCache, StaticCache
 from transformers.masking_utils import AttentionMaskInterface
 
 from eval._common import median, percentile, pipelined_ms, time_steps
-from oasis_hf import _compat
+from oasis_hf import compat
 from oasis_hf.kernels import sparse_attention, sparse_attention_ref, use_triton
 
 logger = logging.getLogger("eval.dense_baselines")
@@ -113,7 +113,7 @@ class PrefixDecode:
         self.slot_block = torch.arange(blocks, device=param.device).expand(batch, cfg.num_key_value_heads, -1)
         self.kv_start = torch.zeros(batch, dtype=torch.long, device=param.device)
         AttentionInterface.register(PREFIX_ATTENTION, self.attention)
-        AttentionMaskInterface.register(PREFIX_ATTENTION, _compat.flash_attention_mask)
+        AttentionMaskInterface.register(PREFIX_ATTENTION, compat.flash_attention_mask)
 
     @property
     def nbytes(self) -> int:
@@ -203,7 +203,7 @@ def dense_graphed_generate(model, input_ids: torch.Tensor, attention_mask: torch
     cache = DynamicCache(config=model.config)
     prompt_positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)  # as generate
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=prompt_positions, use_cache=True,
-                logits_to_keep=1, **{_compat.cache_kwarg(model): cache})
+                logits_to_keep=1, **{compat.cache_kwarg(model): cache})
     token = out.logits[:, -1].argmax(-1, keepdim=True)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -300,7 +300,7 @@ def check_dense_graphed(model, batch: int, context: int, kernel: str = "sdpa") -
         for idx, (k, v) in enumerate(zip(decode.keys, decode.values, strict=True)):
             cache.update(k[:, :, :context].clone(), v[:, :, :context].clone(), idx)
         eager = model(input_ids=token, position_ids=torch.full_like(token, context), use_cache=True,
-                      logits_to_keep=1, **{_compat.cache_kwarg(model): cache}).logits[:, -1].float()
+                      logits_to_keep=1, **{compat.cache_kwarg(model): cache}).logits[:, -1].float()
         diff = (graphed - eager).abs().max().item()
         return {"context": context, "batch": batch, "kernel": kernel, "max abs logit diff": diff,
                 "max abs logit": eager.abs().max().item(),
@@ -338,7 +338,7 @@ def dense_eager_row(model, batch: int, context: int, warmup: int, repeats: int) 
     cache = DynamicCache(config=model.config)
     fill_cache(model, cache, batch, context)
     token = torch.randint(0, model.config.vocab_size, (batch, 1), device=next(model.parameters()).device)
-    kwarg = _compat.cache_kwarg(model)
+    kwarg = compat.cache_kwarg(model)
 
     def step():
         nonlocal token
@@ -363,7 +363,7 @@ def dense_compile_row(model, batch: int, context: int, warmup: int, repeats: int
     cache = StaticCache(config=model.config, max_cache_len=context + warmup + repeats + 8)
     fill_cache(model, cache, batch, context)
     compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    kwarg = _compat.cache_kwarg(model)
+    kwarg = compat.cache_kwarg(model)
     token = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
     position = [context]
 

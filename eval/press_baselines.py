@@ -38,7 +38,7 @@ import inspect
 import torch
 from transformers import DynamicCache
 
-from oasis_hf import _compat
+from oasis_hf import compat
 from oasis_hf.errors import UnsupportedError
 from oasis_hf.integrations.lm_eval import OasisLM
 from oasis_hf.integrations.static_decode import greedy_continue
@@ -134,7 +134,7 @@ def press_prefill(model, ids: torch.Tensor, press, budget: int, tail: int = 0) -
     if tail >= budget:
         raise UnsupportedError(f"the uncompressed tail ({tail} tokens) does not fit in the budget ({budget}): the "
                                "press would have nothing left to keep")
-    cache, last = DynamicCache(), _compat.last_logits_only(model)
+    cache, last = DynamicCache(), compat.last_logits_only(model)
     head = ids[:, : ids.shape[1] - tail]
     press.compression_ratio = press_ratio(budget - tail, head.shape[1])
     with on_sdpa(model), press(model), cache_positions(model):
@@ -187,7 +187,7 @@ class PressLM(OasisLM):
 @contextlib.contextmanager
 def on_sdpa(model):
     """The model on transformers' SDPA attention (which kvpress wrapped at import) while the block runs."""
-    config = _compat.text_config(model.config)
+    config = compat.text_config(model.config)
     previous = config._attn_implementation
     multimodal = config is not model.config
     if previous != "sdpa":

@@ -27,7 +27,7 @@ from transformers import DynamicCache
 
 from eval._common import code_identity, environment, finish, markdown_table
 from eval.press_baselines import cache_positions, make_press, on_sdpa, press_ratio
-from oasis_hf import _compat, models
+from oasis_hf import compat, models
 from oasis_hf.integrations.static_decode import greedy_continue
 from oasis_hf.tasks import TASKS
 from oasis_hf.tasks.ruler import generate as task_samples
@@ -49,7 +49,7 @@ def prefill(model, ids: torch.Tensor, press, budget: int, tail: int,
     them without the press (rotary positions of the full prompt, as kvpress's pipeline places its question).
     Returns the cache, the last logits (1, vocab) and, per layer, the share of the prompt's last `probe` tokens the
     press kept when it compressed the whole prompt (empty otherwise)."""
-    cache, shares, last = DynamicCache(), [], _compat.last_logits_only(model)
+    cache, shares, last = DynamicCache(), [], compat.last_logits_only(model)
     if press is None:
         out = model(input_ids=ids, past_key_values=cache, use_cache=True, **last)
         return cache, out.logits[:, -1], shares

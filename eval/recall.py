@@ -34,7 +34,7 @@ import oasis_hf
 from eval._common import code_identity, environment, markdown_table, write_results
 from eval.plot import plot_recall
 from oasis_hf import models
-from oasis_hf.cli import _run, passkey_prompt
+from oasis_hf.cli import greedy_text, passkey_prompt
 from oasis_hf.tasks import TASKS
 from oasis_hf.tasks.ruler import generate as task_samples
 from oasis_hf.tasks.ruler import string_match_all
@@ -153,7 +153,7 @@ def run_row(args, model, tokenizer, draft, budget: int, loop: str, label: str, s
             if loop == "draft":
                 text = _speculative(model, draft, tokenizer, prompt, cache, args.new_tokens, args.draft_tokens)
             else:
-                text = _run(model, tokenizer, prompt, cache, args.new_tokens,
+                text = greedy_text(model, tokenizer, prompt, cache, args.new_tokens,
                             prompt_lookup=3 if loop == "prompt-lookup" else 0)["text"]
             stats = cache.stats.summary()
         narrowed += stats["narrowed_jobs"]

@@ -32,10 +32,11 @@ def _config(args):
     return OasisConfig(**fields)
 
 
-def _run(model, tokenizer, prompt: str, cache, max_new_tokens: int, draft=None, prompt_lookup: int = 0,
-         prefill_chunk: int | None = None) -> dict:
-    """Greedy generation of `prompt`; returns text, new tokens, seconds."""
-    from oasis_hf import _compat
+def greedy_text(model, tokenizer, prompt: str, cache, max_new_tokens: int, draft=None, prompt_lookup: int = 0,
+                prefill_chunk: int | None = None) -> dict:
+    """Greedy ``model.generate`` of the text `prompt` over `cache` (None: DynamicCache), with an assistant model or
+    prompt-lookup drafts if given; returns ``{"text", "new_tokens", "seconds", "prompt_tokens"}``."""
+    from oasis_hf import compat
 
     inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
     kwargs = {}
@@ -46,7 +47,7 @@ def _run(model, tokenizer, prompt: str, cache, max_new_tokens: int, draft=None, 
     if prefill_chunk:
         kwargs["prefill_chunk_size"] = prefill_chunk
     if cache is not None:
-        kwargs[_compat.cache_kwarg(model)] = cache
+        kwargs[compat.cache_kwarg(model)] = cache
     import torch
 
     t0 = time.perf_counter()
@@ -90,7 +91,7 @@ def cmd_generate(args) -> int:
     draft = models.load(args.draft, device=args.device)[0] if args.draft else None
     oasis_hf.enable(model)
     with oasis_hf.OasisCache(model.config, config) as cache:
-        result = _run(model, tokenizer, prompt, cache, args.max_new_tokens, draft, args.prompt_lookup,
+        result = greedy_text(model, tokenizer, prompt, cache, args.max_new_tokens, draft, args.prompt_lookup,
                       args.prefill_chunk)
         print(result["text"])
         print(_stats_line(result, cache), file=sys.stderr)
@@ -134,12 +135,12 @@ def cmd_demo(args) -> int:
     model, tokenizer = models.load(args.model, device=args.device)
     prompt, key = passkey_prompt(context, tokenizer)
     rows = []
-    dense = _run(model, tokenizer, prompt, None, args.max_new_tokens)
+    dense = greedy_text(model, tokenizer, prompt, None, args.max_new_tokens)
     dense_kv = None
     oasis_hf.enable(model)
     config = oasis_hf.OasisConfig(budget_tokens=budget, selector="lookahead")
     with oasis_hf.OasisCache(model.config, config) as cache:
-        ours = _run(model, tokenizer, prompt, cache, args.max_new_tokens, prompt_lookup=args.prompt_lookup)
+        ours = greedy_text(model, tokenizer, prompt, cache, args.max_new_tokens, prompt_lookup=args.prompt_lookup)
         line = _stats_line(ours, cache)
         dense_kv = cache.dense_nbytes()
         ours_kv = cache.device_nbytes()

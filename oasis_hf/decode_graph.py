@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oasis_hf import _compat
+from oasis_hf import compat
 from oasis_hf.cache.layer import OasisLayer
 from oasis_hf.cache.oasis_cache import OasisCache
 from oasis_hf.cache.pinned import capturing
@@ -90,7 +90,7 @@ class DecodeGraph:
             raise UnsupportedError(reason)
         self.model = model
         self._cache = weakref.ref(cache)  # the cache owns its runner (`OasisCache.graph_runner`): no cycle
-        self._kwarg = _compat.cache_kwarg(model)
+        self._kwarg = compat.cache_kwarg(model)
         self._graphs: dict[int, _Captured] = {}
         self._warm: dict[int, int] = {}  # T -> the table epoch its last eager run saw
         self._starts: dict[torch.device, torch.Tensor] = {}  # (2,) long per device: the step's first position, end

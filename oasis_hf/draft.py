@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from oasis_hf import _compat
+from oasis_hf import compat
 from oasis_hf.cache.pinned import capturing
 
 logger = logging.getLogger(__name__)
@@ -48,9 +48,9 @@ def forward_logits(model, ids: torch.Tensor, mask: torch.Tensor, cache, last_onl
     """Float logits (B, T, V) of `ids` (B, T) appended to `cache`, positions from the 2-D padding `mask` (B, L) as
     in generate; with `last_only`, (B, 1, V) and only that position computed (a prefill must not build (B, P, V)
     logits: 39 GiB in bf16 at 8 x 16k tokens and a 152k vocabulary)."""
-    extra = _compat.last_logits_only(model) if last_only else {}
+    extra = compat.last_logits_only(model) if last_only else {}
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask, ids.shape[1]), use_cache=True,
-                **{_compat.cache_kwarg(model): cache}, **extra)
+                **{compat.cache_kwarg(model): cache}, **extra)
     return out.logits.float()
 
 
@@ -79,7 +79,7 @@ class EagerDraft:
 
     def rewind(self, length: int) -> None:
         """Keep the first `length` tokens."""
-        _compat.crop_to(self.cache, length)
+        compat.crop_to(self.cache, length)
 
 
 class _FixedLayer(CacheLayerMixin):
@@ -151,8 +151,8 @@ class GraphedDraft:
 
     def __init__(self, model, batch: int, max_len: int, device) -> None:
         self.model = model
-        self.kwarg = _compat.cache_kwarg(model)
-        config = _compat.text_config(model.config)
+        self.kwarg = compat.cache_kwarg(model)
+        config = compat.text_config(model.config)
         self.cache = _FixedCache(config.num_hidden_layers, max_len, device)
         self.real_ok = torch.ones(batch, max_len, dtype=torch.bool, device=device)  # False at left padding
         self.real = torch.zeros(batch, dtype=torch.long, device=device)  # real tokens held per sequence
@@ -165,7 +165,7 @@ class GraphedDraft:
     def unsupported(model) -> str | None:
         """Why the draft cannot run as `GraphedDraft`, or None: its layers must all be full attention (one mask for
         every layer) and its attention SDPA (which takes the 4-D boolean mask as given)."""
-        if any(kind != "full_attention" for kind in _compat.layer_types(_compat.text_config(model.config))):
+        if any(kind != "full_attention" for kind in compat.layer_types(compat.text_config(model.config))):
             return "the draft model has sliding-window layers"
         implementation = getattr(model.config, "_attn_implementation", None)
         if implementation != "sdpa":
@@ -190,7 +190,7 @@ class GraphedDraft:
         where = positions(mask, num)
         for start, end in prefill_chunks(ids.shape[0], num, self.cache.max_len):
             self.model(input_ids=ids[:, start:end], attention_mask=full, position_ids=where[:, start:end],
-                       use_cache=True, **{self.kwarg: self.cache}, **_compat.last_logits_only(self.model))
+                       use_cache=True, **{self.kwarg: self.cache}, **compat.last_logits_only(self.model))
             self._advance(end - start, mask[:, start:end].long().sum(-1))
 
     def feed(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

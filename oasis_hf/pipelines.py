@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from transformers import TextGenerationPipeline, pipeline
 
-from oasis_hf import _compat
+from oasis_hf import compat
 from oasis_hf.cache.oasis_cache import OasisCache
 from oasis_hf.config import OasisConfig
 from oasis_hf.errors import UnsupportedError
@@ -41,7 +41,7 @@ class OasisTextGenerationPipeline(TextGenerationPipeline):
                     "oasis_config=OasisConfig(...)"
                 )
         with OasisCache(self.model.config, self.oasis_config) as cache:
-            generate_kwargs[_compat.cache_kwarg(self.model)] = cache
+            generate_kwargs[compat.cache_kwarg(self.model)] = cache
             return super()._forward(model_inputs, **generate_kwargs)
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from oasis_hf import _compat
+from oasis_hf import compat
 from oasis_hf.decode_graph import DecodeGraph
 from oasis_hf.draft import forward_logits, make_draft, positions
 from oasis_hf.errors import UnsupportedError
@@ -261,7 +261,7 @@ def speculative_generate(
         finished = finished | is_eos.any(1)
         # Keep [last, d_1 .. d_n] in the target cache; the draft cache keeps at most as much.
         keep = seq.shape[1] + n
-        _compat.crop_to(cache, keep)
+        compat.crop_to(cache, keep)
         if drafter is not None:
             drafter.rewind(keep)
         seq = torch.cat([seq, new], dim=1)

@@ -18,7 +18,7 @@ SMALL = dict(budget_tokens=128, max_fetch_blocks=2)  # 8 slots of 16 per (sequen
 def _decode(model, cache, ids, mask, steps: int, graph: bool, device="cpu") -> torch.Tensor:
     """Greedy tokens (B, steps + 1): a prefill forward, then `steps` one-token forwards (through a DecodeGraph or
     plain ``model(...)``)."""
-    kwarg = oasis_hf._compat.cache_kwarg(model)
+    kwarg = oasis_hf.compat.cache_kwarg(model)
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{kwarg: cache})
         token = out.logits[:, -1].argmax(-1, keepdim=True)

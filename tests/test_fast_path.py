@@ -14,7 +14,7 @@ from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 import oasis_hf
-from oasis_hf import _compat
+from oasis_hf import compat
 from oasis_hf.integrations import fast_path
 from tests._factories import VOCAB, oasis_cache, tiny_model
 from tests.test_generate import generate, left_padded
@@ -109,7 +109,7 @@ def test_assisted_generation_verifies_through_the_graph_path(graph_on_cpu, draft
 
 def test_the_cache_keyword_spelling_takes_the_graph_path(graph_on_cpu):
     model = oasis_hf.enable(tiny_model("llama"))
-    if _compat.cache_kwarg(model) != "cache":
+    if compat.cache_kwarg(model) != "cache":
         pytest.skip("this transformers has no cache= argument (5.17 spells it past_key_values)")
     ids, mask = left_padded([100])
     with oasis_cache(model, **SMALL) as cache:

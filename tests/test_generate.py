@@ -318,7 +318,7 @@ def test_attention_takes_dropout_by_position_like_transformers():
         return oasis_hf.oasis_attention(module, query, key, value, attention_mask, dropout, **kwargs)
 
     AttentionInterface.register("oasis_positional", positional)
-    AttentionMaskInterface.register("oasis_positional", oasis_hf._compat.flash_attention_mask)
+    AttentionMaskInterface.register("oasis_positional", oasis_hf.compat.flash_attention_mask)
     ids, mask = left_padded([60, 45])
     ref = generate(tiny_model("llama"), ids, mask, DynamicCache(config=tiny_model("llama").config))
     model = tiny_model("llama")

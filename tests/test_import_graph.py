@@ -15,7 +15,7 @@ LAYERS = (
     "cache",
     "config",
     grimp.Layer("selectors", "kernels", "models"),
-    grimp.Layer("_compat", "errors"),
+    grimp.Layer("compat", "errors"),
 )
 
 

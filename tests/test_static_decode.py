@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from oasis_hf import _compat
+from oasis_hf import compat
 from oasis_hf.errors import UnsupportedError
 from oasis_hf.integrations.static_decode import greedy_continue
 from tests._factories import tiny_model
@@ -13,7 +13,7 @@ from tests._factories import tiny_model
 
 def _prefill(model, ids):
     cache = DynamicCache()
-    out = model(input_ids=ids, use_cache=True, **{_compat.cache_kwarg(model): cache})
+    out = model(input_ids=ids, use_cache=True, **{compat.cache_kwarg(model): cache})
     return cache, out.logits[:, -1].argmax(-1, keepdim=True)
 
 
@@ -46,7 +46,7 @@ def test_greedy_continue_positions_follow_the_uncompressed_prompt():
     tokens, nxt = [first], first
     for step in range(8):
         out = model(input_ids=nxt, position_ids=torch.tensor([[ids.shape[1] + step]]), use_cache=True,
-                    **{_compat.cache_kwarg(model): cache})
+                    **{compat.cache_kwarg(model): cache})
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(nxt)
     assert torch.equal(right, torch.cat(tokens, dim=1)) and kept == 60
@@ -108,4 +108,4 @@ def test_greedy_continue_gives_the_same_tokens_after_an_oasis_row_on_the_same_mo
     fresh = row()
     oasis_hf.enable(model)
     assert torch.equal(row(), fresh)
-    assert _compat.text_config(model.config)._attn_implementation == oasis_hf.ATTENTION_NAME
+    assert compat.text_config(model.config)._attn_implementation == oasis_hf.ATTENTION_NAME

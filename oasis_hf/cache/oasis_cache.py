@@ -24,7 +24,7 @@ import torch
 from transformers.cache_utils import Cache
 from transformers.configuration_utils import PretrainedConfig
 
-from oasis_hf import _compat
+from oasis_hf import compat
 from oasis_hf.cache.host_store import BlockStore, HostKVStore
 from oasis_hf.cache.layer import OasisLayer, WindowLayer, padding_starts
 from oasis_hf.cache.pinned import PinnedPool
@@ -73,13 +73,13 @@ class OasisCache(Cache):
         if overrides:
             config = dataclasses.replace(config, **overrides)
         self.config = config
-        text_config = _compat.text_config(model_config)
+        text_config = compat.text_config(model_config)
         layers = []
-        for idx, kind in enumerate(_compat.layer_types(text_config)):
+        for idx, kind in enumerate(compat.layer_types(text_config)):
             if kind == "full_attention":
                 layers.append(OasisLayer(self, idx))
             elif kind == "sliding_attention":
-                layers.append(_compat.sliding_window_layer(text_config.sliding_window, WindowLayer))
+                layers.append(compat.sliding_window_layer(text_config.sliding_window, WindowLayer))
             else:
                 raise UnsupportedError(
                     f"layer {idx} has type {kind!r}; OasisCache handles 'full_attention' and 'sliding_attention' "

@@ -14,7 +14,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from oasis_hf import _compat
+from oasis_hf import compat
 from oasis_hf.cache.layer import layer_of, windowed
 from oasis_hf.errors import UnsupportedError
 from oasis_hf.integrations import capacity, fast_path
@@ -96,7 +96,7 @@ def oasis_mask(
         kwargs.pop("allow_is_causal_skip", None)
         return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                          kv_offset=kv_offset, attention_mask=attention_mask, allow_is_causal_skip=False, **kwargs)
-    return _compat.flash_attention_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+    return compat.flash_attention_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                                         q_offset=q_offset, kv_offset=kv_offset, attention_mask=attention_mask, **kwargs)
 
 

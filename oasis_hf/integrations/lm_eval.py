@@ -32,7 +32,7 @@ import sys
 import torch
 from lm_eval.models.huggingface import HFLM
 
-from oasis_hf import _compat, models
+from oasis_hf import compat, models
 from oasis_hf.cache.oasis_cache import OasisCache
 from oasis_hf.cache.pinned import PinnedPool
 from oasis_hf.config import OasisConfig
@@ -105,7 +105,7 @@ class OasisLM(HFLM):
         if self.graphs:
             return self._graphed(context, max_length, generation_kwargs)
         with OasisCache(self.model.config, self.oasis_config, host_pool=self.host_pool) as cache:
-            generation_kwargs[_compat.cache_kwarg(self.model)] = cache
+            generation_kwargs[compat.cache_kwarg(self.model)] = cache
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
     def _sampling(self, generation_kwargs: dict) -> tuple[bool, float, object]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from transformers import StaticCache
 
-from oasis_hf import _compat
+from oasis_hf import compat
 from oasis_hf.cache.pinned import capturing
 from oasis_hf.errors import UnsupportedError
 
@@ -67,7 +67,7 @@ def _decode(model, cache, first_ids, position: int, max_new_tokens: int, stops: 
         layer.update(source.keys, source.values)
     ids = first_ids.clone()
     positions = torch.full((1, 1), position, dtype=torch.long, device=first_ids.device)
-    kwargs = {_compat.cache_kwarg(model): static, "use_cache": True}
+    kwargs = {compat.cache_kwarg(model): static, "use_cache": True}
 
     def step() -> torch.Tensor:
         return model(input_ids=ids, position_ids=positions, **kwargs).logits[:, -1]

@@ -1,4 +1,6 @@
-"""The one place that knows transformers-version details (5.17 .. 5.x)."""
+"""The one place that knows transformers-version details (5.17 .. 5.x): the decoder config of a multimodal model,
+its layer types, the keyword its forward takes the cache under, logits of the last position only, cropping a cache.
+Integrations built on this package (and its own evaluation code) use these instead of branching on versions."""
 
 from __future__ import annotations
 
