@@ -34,6 +34,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import inspect
+import itertools
 
 import torch
 from transformers import DynamicCache
@@ -46,6 +47,8 @@ from oasis_hf.integrations.static_decode import greedy_continue
 PROTOCOLS = ("query-agnostic", "query-aware", "whole-prompt")
 #: The answer cue every suite prompt ends with (``oasis_hf.tasks.ruler``); the question is the line before it.
 CUE = "Answer:"
+#: Tokens at the prompt's end that `question_split` decodes first (the suite's question and cue take under 100).
+TAIL_TOKENS = 512
 
 
 def make_press(spec: str, model):
@@ -90,22 +93,22 @@ def make_press(spec: str, model):
 
 def question_split(tokenizer, ids: list[int]) -> tuple[int, int]:
     """Token indices ``(question_start, cue_start)`` of a suite prompt `ids`: where its question line and its final
-    answer cue begin (a token that straddles a boundary belongs to the part after it)."""
-    pieces = tokenizer.batch_decode([[i] for i in ids])
-    text = "".join(pieces)
-    cue = text.rfind(CUE)
-    newline = text.rfind("\n", 0, cue)
-    if cue < 0 or newline < 0:
+    answer cue begin (a token that straddles a boundary belongs to the part after it). Only the prompt's end is
+    decoded (the last `TAIL_TOKENS`, or all of it when the question line starts earlier)."""
+    for skip in (max(0, len(ids) - TAIL_TOKENS), 0):
+        pieces = tokenizer.batch_decode([[i] for i in ids[skip:]])
+        text = "".join(pieces)
+        cue = text.rfind(CUE)
+        newline = text.rfind("\n", 0, cue) if cue >= 0 else -1
+        question = text.rfind("\n", 0, newline) + 1 if newline >= 0 else -1
+        if question > 0 or (question == 0 and skip == 0):
+            break
+    else:
         raise UnsupportedError(f"the prompt has no question line followed by the answer cue {CUE!r}: the press "
                                "protocols need the suite's prompt layout; use protocol='whole-prompt'")
-    question = text.rfind("\n", 0, newline) + 1
-    starts, ends, pos = [], [], 0
-    for piece in pieces:
-        starts.append(pos)
-        pos += len(piece)
-        ends.append(pos)
-    return (next(i for i, end in enumerate(ends) if end > question),
-            next(i for i, end in enumerate(ends) if end > cue))
+    ends = list(itertools.accumulate(len(piece) for piece in pieces))
+    return (skip + next(i for i, end in enumerate(ends) if end > question),
+            skip + next(i for i, end in enumerate(ends) if end > cue))
 
 
 def press_ratio(keep: int, num_tokens: int) -> float:

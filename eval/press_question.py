@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from eval._common import code_identity, environment, finish, markdown_table
-from eval.press_baselines import cache_positions, make_press, on_sdpa, press_ratio
+from eval.press_baselines import make_press, press_prefill
 from oasis_hf import compat, models
 from oasis_hf.integrations.static_decode import greedy_continue
 from oasis_hf.tasks import TASKS
@@ -49,12 +49,11 @@ def prefill(model, ids: torch.Tensor, press, budget: int, tail: int,
     them without the press (rotary positions of the full prompt, as kvpress's pipeline places its question).
     Returns the cache, the last logits (1, vocab) and, per layer, the share of the prompt's last `probe` tokens the
     press kept when it compressed the whole prompt (empty otherwise)."""
-    cache, shares, last = DynamicCache(), [], compat.last_logits_only(model)
+    shares: list[float] = []
     if press is None:
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, **last)
+        cache = DynamicCache()
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, **compat.last_logits_only(model))
         return cache, out.logits[:, -1], shares
-    head = ids[:, : ids.shape[1] - tail]
-    press.compression_ratio = press_ratio(budget - tail, head.shape[1])
     if not tail:
         score = press.score
 
@@ -66,18 +65,10 @@ def prefill(model, ids: torch.Tensor, press, budget: int, tail: int,
 
         press.score = spy  # an instance attribute over the method, removed below
     try:
-        with on_sdpa(model), press(model), cache_positions(model):
-            out = model(input_ids=head, past_key_values=cache, use_cache=True, **last)
+        cache, logits = press_prefill(model, ids, press, budget, tail)
     finally:
         press.__dict__.pop("score", None)
-    if tail:
-        positions = torch.arange(head.shape[1], ids.shape[1], device=ids.device)[None]
-        out = model(input_ids=ids[:, head.shape[1]:], past_key_values=cache, position_ids=positions, use_cache=True,
-                    **last)
-    held = {layer.keys.shape[-2] for layer in cache.layers}
-    if held != {budget}:
-        raise RuntimeError(f"the press left {sorted(held)} tokens per layer, not the budget {budget}")
-    return cache, out.logits[:, -1], shares
+    return cache, logits, shares
 
 
 def run_row(args, model, tokenizer, samples: list[dict], label: str, press_name: str | None, keep: bool) -> dict:

@@ -234,6 +234,10 @@ def test_question_split_finds_the_question_line_and_the_answer_cue():
     assert tok.decode(ids[question:]) == ("What is the special magic number for amber-falcon mentioned in the text "
                                           "above? Answer with the number only.\nAnswer:")
     assert tok.decode(ids[cue:]) == "Answer:"
+    long = "Some context.\n" + "Which of these " * 60 + "is it?\nAnswer:"  # a question line past the decoded tail
+    ids = tok(long)["input_ids"]
+    question, cue = question_split(tok, ids)
+    assert tok.decode(ids[question:]) == long.split("\n", 1)[1] and tok.decode(ids[cue:]) == "Answer:"
     with pytest.raises(UnsupportedError, match="protocol='whole-prompt'"):
         question_split(tok, tok("no question here")["input_ids"])
 
