@@ -187,6 +187,7 @@ FAMILIES = [
     ("plan_blocks", r"_plan_blocks_kernel"),
     ("delta gather (PCIe)", r"_gather_blocks_kernel"),
     ("dense attention", r"flash|fmha|attention"),
+    ("Inductor fused kernels (norms, RoPE, activations)", r"^triton_(poi|red|per)_"),
     ("other PyTorch kernels (norms, RoPE, activations, index, reduce, copies)", r"."),
 ]
 

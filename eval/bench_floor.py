@@ -19,6 +19,12 @@ runs all of its rows in this one process, the K/V filled with random values (no 
   lookahead moved at 16k in plain decoding (one token per forward, like these steps; ``--delta-rate``, from
   `eval.delta_rate`, whose drafted rows the note quotes).
 
+With ``--compile-model also`` (the default) the dense-graphed (SDPA) row and every OasisKV row also run with the
+model through ``torch.compile`` inside the captured graph (Inductor fuses the norms, RoPE and activations around the
+attention, which eagerly are about 30 small kernels per layer-step): ``dense graphed (sdpa, torch.compile)`` and
+``OasisKV ... (whole-step graph, torch.compile)`` (`OasisConfig.compile_model`). Rows carry ``compiled``; the step
+ratio against static compares like with like; ``compile + capture s`` is the time the first steps took.
+
 ``python -m eval.bench_floor --compare BEFORE.json AFTER.json OUT.md`` sets two runs' profiles side by side.
 
 With ``--profile``, the OasisKV static and lookahead rows and the graphed dense row of the profiled points also get a
@@ -58,6 +64,7 @@ from eval.dense_baselines import (
     dense_eager_row,
     dense_graphed_row,
     floor_ms,
+    graphed_label,
     hbm_bandwidth,
     kv_bytes_per_token,
 )
@@ -72,6 +79,10 @@ COLUMNS = ["method", "kind", "batch", "context", "ms_per_step", "ms/step (p90)",
            "speed-up vs dense graphed", "step vs static", "vs dense eager", "host enqueue ms/step",
            "ms/step (no per-step sync)", "GPU KV MiB/seq",
            "host MiB/seq", "fetched blocks/(seq, head, layer-step)", "PCIe GB/s", "note"]
+
+
+#: --compile-model: which variants of the dense-graphed (sdpa) and OasisKV rows run (model through torch.compile).
+COMPILED = {"off": [False], "also": [False, True], "only": [True]}
 
 
 def parse_point(text: str) -> tuple[int, int]:
@@ -101,7 +112,8 @@ def delta_rate(path: Path | None) -> tuple[float | None, str]:
 @torch.inference_mode()
 def oasis_row(model, kind: str, cfg: oasis_hf.OasisConfig, pool: PinnedPool, batch: int, context: int,
               warmup: int, repeats: int, profile: bool) -> dict:
-    """Fill an OasisCache with random K/V, then time `oasis_hf.DecodeGraph` replays of one-token steps."""
+    """Fill an OasisCache with random K/V, then time `oasis_hf.DecodeGraph` replays of one-token steps (the first
+    steps of the warm-up run eagerly, compile when `cfg.compile_model`, and capture)."""
     release_memory()
     model.set_attn_implementation("oasis")
     with oasis_hf.OasisCache(model.config, cfg, host_pool=pool) as cache:
@@ -117,6 +129,10 @@ def oasis_row(model, kind: str, cfg: oasis_hf.OasisConfig, pool: PinnedPool, bat
             logits = runner(token, torch.full_like(token, cache.get_seq_length()))
             token = logits[:, -1:].argmax(-1)
 
+        t0 = time.perf_counter()
+        for _ in range(3 if cfg.compile_model else 2):  # eager (compiling), [recompiling,] capturing
+            step()
+        capture_s = time.perf_counter() - t0
         enqueue: list[float] = []
         times = time_steps(step, warmup, repeats, enqueue)
         stats = cache.stats.summary()
@@ -126,7 +142,9 @@ def oasis_row(model, kind: str, cfg: oasis_hf.OasisConfig, pool: PinnedPool, bat
         fetched = stats["fetched_blocks_per_layer_step"]
         block_bytes = cache.host.bytes_per_block() // pairs  # K + V of one (sequence, head) block
         moved = fetched * block_bytes * len(cache.oasis_layers)
-        row = {"method": f"OasisKV {cfg.selector} @{cfg.budget_tokens} (whole-step graph)", "kind": kind,
+        graph = "whole-step graph, torch.compile" if cfg.compile_model else "whole-step graph"
+        row = {"method": f"OasisKV {cfg.selector} @{cfg.budget_tokens} ({graph})", "kind": kind,
+               "compiled": cfg.compile_model, "compile + capture s": capture_s,
                "context": context, "batch": batch, "ms/step (median)": median(times),
                "ms/step (p90)": percentile(times, 0.9), "tokens/s": batch * 1e3 / median(times),
                "host enqueue ms/step": median(enqueue), "ms/step (no per-step sync)": queued,
@@ -138,6 +156,8 @@ def oasis_row(model, kind: str, cfg: oasis_hf.OasisConfig, pool: PinnedPool, bat
                "raw_ms": times}
         if profile:
             row["profile"] = profile_families(step, len(cache.oasis_layers))
+    if cfg.compile_model:
+        torch.compiler.reset()
     return row
 
 
@@ -170,18 +190,21 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
             rows.append({"method": "dense eager (DynamicCache, sdpa)", "kind": "dense-eager", "batch": batch,
                          "context": context, "note": dense_skip})
     if "dense-graphed" in args.methods:
-        for kernel in args.dense_kernels:
+        variants = [(kernel, compiled) for kernel in args.dense_kernels for compiled in COMPILED[args.compile_model]
+                    if kernel == "sdpa" or not compiled]  # the Triton-kernel variant runs uncompiled only
+        for kernel, compiled in variants:
+            label = graphed_label(kernel, compiled)
             if not fits:
-                rows.append({"method": f"dense graphed ({kernel})", "kind": "dense-graphed", "batch": batch,
-                             "context": context, "note": dense_skip})
+                rows.append({"method": label, "kind": "dense-graphed", "batch": batch, "context": context,
+                             "note": dense_skip})
                 continue
             profile = None
             if args.profile and point in args.profile_points and kernel == "sdpa" and torch.cuda.is_available():
                 profile = lambda step: profile_families(step, model.config.num_hidden_layers)  # noqa: E731
-            row = attempt(lambda k=kernel, p=profile: dense_graphed_row(model, batch, context, args.warmup,
-                                                                        args.repeats, k, p),
-                          f"dense graphed ({kernel})", "dense-graphed")
-            row["logit check"] = check_dense_graphed(model, batch, min(context, args.check_context), kernel)
+            row = attempt(lambda k=kernel, p=profile, c=compiled: dense_graphed_row(
+                model, batch, context, args.warmup, args.repeats, k, p, compiled=c), label, "dense-graphed")
+            row["logit check"] = check_dense_graphed(model, batch, min(context, args.check_context), kernel,
+                                                     compiled=compiled)
             logger.info("  check: %s", row["logit check"])
     if "dense-compile" in args.methods and point in args.compile_points and fits and torch.cuda.is_available():
         attempt(lambda: dense_compile_row(model, batch, context, args.warmup, args.repeats), "dense compile",
@@ -197,11 +220,12 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
             if rate is None:
                 continue
             fields["max_fetch_blocks"] = max(1, math.ceil(rate))
-        configs.append((method, oasis_hf.OasisConfig(**fields)))
+        for compiled in COMPILED[args.compile_model]:
+            configs.append((method, oasis_hf.OasisConfig(**fields, compile_model=compiled)))
     for method, cfg in configs:
         kind = "oasis-lookahead" if method == "oasis-lookahead-real" else method
-        profile = (args.profile and point in args.profile_points and method in ("oasis-static", "oasis-lookahead")
-                   and torch.cuda.is_available())
+        profile = (args.profile and point in args.profile_points and torch.cuda.is_available()
+                   and method in ("oasis-static", "oasis-lookahead", "oasis-lookahead-real"))
         row = attempt(lambda cfg=cfg, kind=kind, profile=profile: oasis_row(
             model, kind, cfg, pool, batch, context, args.warmup, args.repeats, profile), method, kind)
         if method == "oasis-lookahead-real":
@@ -227,8 +251,8 @@ def annotate(rows: list[dict]) -> None:
         return min(times) if times else None
 
     graphed, eager = best("dense-graphed"), best("dense-eager")
-    static = next((r["ms/step (median)"] for r in rows if r.get("kind") == "oasis-static" and "ms/step (median)" in r),
-                  None)
+    static = {r.get("compiled", False): r["ms/step (median)"] for r in rows
+              if r.get("kind") == "oasis-static" and "ms/step (median)" in r}
     for row in rows:
         if "ms/step (median)" not in row:
             continue
@@ -237,8 +261,9 @@ def annotate(rows: list[dict]) -> None:
             row["speed-up vs dense graphed"] = graphed / ms
         if eager:
             row["vs dense eager"] = eager / ms
-        if static and row.get("kind", "").startswith("oasis"):
-            row["step vs static"] = ms / static
+        same = static.get(row.get("compiled", False))  # the static step of the same variant (compiled or not)
+        if same and row.get("kind", "").startswith("oasis"):
+            row["step vs static"] = ms / same
 
 
 def report(args, shape: dict, bandwidth: float, rows: list[dict], final: bool = False) -> str:
@@ -257,7 +282,8 @@ def report(args, shape: dict, bandwidth: float, rows: list[dict], final: bool = 
     if profiles:
         table += "\n\nGPU time per layer-step by kernel family (torch.profiler, 5 replays; us, kernels):\n\n"
         labels = [label for label, _ in FAMILIES if any(label in r["profile"]["families"] for r in profiles)]
-        names = [f"{r['kind']} {r['batch']}x{r['context']}" for r in profiles]
+        names = [f"{r['kind']}{' compiled' if r.get('compiled') else ''} {r['batch']}x{r['context']}"
+                 for r in profiles]
         lines = ["| family | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
         for label in labels:
             cells = [_profile_cell(r["profile"]["families"].get(label)) for r in profiles]
@@ -363,6 +389,10 @@ def main() -> None:
     parser.add_argument("--dense-kernels", nargs="+", choices=["sdpa", "triton"], default=["sdpa", "triton"])
     parser.add_argument("--compile-points", nargs="*", default=["8x32512"],
                         help="points that also run dense-compile (it compiles for a minute or more)")
+    parser.add_argument("--compile-model", choices=["off", "also", "only"], default="also",
+                        help="run the dense-graphed (sdpa) and OasisKV rows with the model through torch.compile "
+                             "inside the captured graph (Inductor fuses norms, RoPE, activations): off, also (both "
+                             "variants of each row), only (the dense Triton-kernel row runs uncompiled only)")
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--delta-rate", type=Path, default=None,
                         help="eval.delta_rate JSON: its drafted rows' blocks per (seq, head, forward) become the cap "

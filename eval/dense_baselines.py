@@ -7,7 +7,9 @@
   ``k[:, :, :n]`` (no mask, no ``repeat_kv``), and our Triton split-K kernel over every block of the buffer (a paged
   decode kernel reading the length from device memory). A replay decodes one token at the captured position (the
   step's cost at that context; the benchmark replays it, writing the same position). Its logits are checked against
-  eager dense attention over the same K/V (`check_dense_graphed`).
+  eager dense attention over the same K/V (`check_dense_graphed`). Optionally the forward it captures is the model
+  through ``torch.compile`` (Inductor: norms, RoPE and activations fused; no graph break, the attention function is
+  traced too), the same treatment as OasisKV's `OasisConfig.compile_model`.
 - ``dense-eager``: transformers' `DynamicCache` with SDPA, one eager forward per step (``torch.cat`` every step).
 - ``dense-compile``: transformers' recipe, a `StaticCache` and ``torch.compile(model.forward,
   mode="reduce-overhead")`` (SDPA over the whole static buffer with a mask).
@@ -252,10 +254,20 @@ def dense_graphed_generate(model, input_ids: torch.Tensor, attention_mask: torch
 
 
 @torch.inference_mode()
+def graphed_label(kernel: str, compiled: bool) -> str:
+    return f"dense graphed ({kernel}{', torch.compile' if compiled else ''})"
+
+
+def _target(model, compiled: bool):
+    """`model`, or `model` through ``torch.compile`` (static shapes: one decode shape per capture)."""
+    return torch.compile(model, dynamic=False) if compiled else model
+
+
 def dense_graphed_row(model, batch: int, context: int, warmup: int, repeats: int, kernel: str = "sdpa",
-                      profile=None) -> dict:
+                      profile=None, compiled: bool = False) -> dict:
     """Time the dense-graphed decode step at `context` tokens (random K/V); ``profile(step)``, when given, returns
-    what the row records under ``"profile"`` (e.g. a kernel-family table of a few replays)."""
+    what the row records under ``"profile"`` (e.g. a kernel-family table of a few replays). `compiled`: capture the
+    model through ``torch.compile`` (compiled in the warm-up before the capture)."""
     previous = model.config._attn_implementation
     decode = PrefixDecode(model, batch, context + 1, kernel)  # registers its attention function
     model.set_attn_implementation(PREFIX_ATTENTION)
@@ -263,10 +275,14 @@ def dense_graphed_row(model, batch: int, context: int, warmup: int, repeats: int
         decode.fill_random(context)
         decode.set_step(context)
         token = torch.randint(0, model.config.vocab_size, (batch, 1), device=decode.position.device)
-        graph, _ = _graph(lambda: forward_prefix(model, decode, token), token.device)
+        target = _target(model, compiled)
+        t0 = time.perf_counter()
+        graph, _ = _graph(lambda: forward_prefix(target, decode, token), token.device)
+        capture_s = time.perf_counter() - t0
         enqueue: list[float] = []
         times = time_steps(graph.replay, warmup, repeats, enqueue)
-        row = {"method": f"dense graphed ({kernel})", "kind": "dense-graphed", "context": context, "batch": batch,
+        row = {"method": graphed_label(kernel, compiled), "kind": "dense-graphed", "compiled": compiled,
+               "compile + capture s": capture_s, "context": context, "batch": batch,
                "ms/step (median)": median(times), "ms/step (p90)": percentile(times, 0.9),
                "tokens/s": batch * 1e3 / median(times), "host enqueue ms/step": median(enqueue),
                "ms/step (no per-step sync)": pipelined_ms(graph.replay, repeats),
@@ -276,11 +292,13 @@ def dense_graphed_row(model, batch: int, context: int, warmup: int, repeats: int
         return row
     finally:
         model.set_attn_implementation(previous)
+        if compiled:
+            torch.compiler.reset()
         _empty_cache()
 
 
 @torch.inference_mode()
-def check_dense_graphed(model, batch: int, context: int, kernel: str = "sdpa") -> dict:
+def check_dense_graphed(model, batch: int, context: int, kernel: str = "sdpa", compiled: bool = False) -> dict:
     """Logits of a graphed dense step against an eager SDPA forward over a `DynamicCache` holding the same K/V."""
     previous = model.config._attn_implementation
     decode = PrefixDecode(model, batch, context + 1, kernel)  # registers its attention function
@@ -289,7 +307,8 @@ def check_dense_graphed(model, batch: int, context: int, kernel: str = "sdpa") -
         decode.fill_random(context, seed=1)
         decode.set_step(context)
         token = torch.randint(0, model.config.vocab_size, (batch, 1), device=decode.position.device)
-        graph, out = _graph(lambda: forward_prefix(model, decode, token), token.device)
+        target = _target(model, compiled)
+        graph, out = _graph(lambda: forward_prefix(target, decode, token), token.device)
         if token.device.type == "cuda":
             graph.replay()  # the captured output buffer now holds this replay's logits
         else:
@@ -302,11 +321,13 @@ def check_dense_graphed(model, batch: int, context: int, kernel: str = "sdpa") -
         eager = model(input_ids=token, position_ids=torch.full_like(token, context), use_cache=True,
                       logits_to_keep=1, **{compat.cache_kwarg(model): cache}).logits[:, -1].float()
         diff = (graphed - eager).abs().max().item()
-        return {"context": context, "batch": batch, "kernel": kernel, "max abs logit diff": diff,
-                "max abs logit": eager.abs().max().item(),
+        return {"context": context, "batch": batch, "kernel": kernel, "compiled": compiled,
+                "max abs logit diff": diff, "max abs logit": eager.abs().max().item(),
                 "same argmax": bool((graphed.argmax(-1) == eager.argmax(-1)).all())}
     finally:
         model.set_attn_implementation(previous)
+        if compiled:
+            torch.compiler.reset()
         _empty_cache()
 
 

@@ -15,15 +15,22 @@ window layers), one device, a host store the GPU reads directly (pinned, local),
 
 The first call of a ``T`` (and the first after the host store grew, which reallocates the tables) runs eagerly on
 the capture stream, compiling every kernel variant; the next one captures and replays; later ones replay.
+
+With `OasisConfig.compile_model` the forward it captures is the model's, compiled by ``torch.compile`` (Inductor
+fuses the norms, RoPE and activations; the cache's update and the attention are graph breaks, run as ours). Two
+eager calls of each ``T`` come before its capture: the first compiles, the second recompiles what depends on the
+step's position (transformers' mask arguments) as dynamic, so that the capture itself compiles nothing.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo
 
 from oasis_hf import compat
 from oasis_hf.cache.layer import OasisLayer
@@ -92,7 +99,8 @@ class DecodeGraph:
         self._cache = weakref.ref(cache)  # the cache owns its runner (`OasisCache.graph_runner`): no cycle
         self._kwarg = compat.cache_kwarg(model)
         self._graphs: dict[int, _Captured] = {}
-        self._warm: dict[int, int] = {}  # T -> the table epoch its last eager run saw
+        self._warm: dict[int, tuple[int, int]] = {}  # T -> (the table epoch its eager runs saw, how many ran)
+        self._compiled = None  # the model through torch.compile (OasisConfig.compile_model), built on first use
         self._starts: dict[torch.device, torch.Tensor] = {}  # (2,) long per device: the step's first position, end
         self._forked: dict[torch.device, torch.cuda.Stream] = {}
         self._pool = None
@@ -156,14 +164,15 @@ class DecodeGraph:
         epoch = cache._epoch
         entry = self._graphs.get(num_tokens)
         graphs = device.type == "cuda" and cache.config.cuda_graphs
+        warm_epoch, warm_runs = self._warm.get(num_tokens, (None, 0))
         if graphs and entry is not None and entry.epoch == epoch:
             logits = self._replay(entry, input_ids, position_ids)
-        elif graphs and self._warm.get(num_tokens) == epoch:
+        elif graphs and warm_epoch == epoch and warm_runs >= self._warmups:
             entry = self._graphs[num_tokens] = self._capture(input_ids, position_ids, epoch)
             logits = self._replay(entry, input_ids, position_ids)
         else:
             logits = self._eager(input_ids, position_ids, current)
-            self._warm[num_tokens] = epoch
+            self._warm[num_tokens] = (epoch, warm_runs + 1 if warm_epoch == epoch else 1)
         for layer in layers:
             layer.length = start + num_tokens
         self.steps += 1
@@ -173,18 +182,40 @@ class DecodeGraph:
             stats.prefetch_jobs += len(layers)
         return logits
 
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """The model's forward with every OasisLayer on its whole-step path; forked streams joined at the end."""
+    @property
+    def _warmups(self) -> int:
+        """Eager calls of a ``T`` before its capture (see the module docstring)."""
+        return 2 if self.cache.config.compile_model else 1
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, capture: bool = False) -> torch.Tensor:
+        """The model's forward with every OasisLayer on its whole-step path; forked streams joined at the end. With
+        `capture`, a compiled model must not compile (that would run its autotuning inside the capture)."""
         self.cache._whole_step = self
         try:
-            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
-                             **{self._kwarg: self.cache}).logits
+            if self.cache.config.compile_model:
+                model = self._compiled_model()
+                # One variant per layer of the frames before and after each break (a layer's index is a constant).
+                limit = max(8, 4 * len(self.cache.layers) + 8)
+                with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit),
+                                                error_on_recompile=capture):
+                    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
+                                **{self._kwarg: self.cache}).logits
+            else:
+                out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
+                                 **{self._kwarg: self.cache}).logits
         finally:
             self.cache._whole_step = None
         for device, stream in self._forked.items():
             torch.cuda.current_stream(device).wait_stream(stream)
         self._forked.clear()
         return out
+
+    def _compiled_model(self):
+        if self._compiled is None:
+            logger.info("DecodeGraph: compiling %s with torch.compile (OasisConfig.compile_model)",
+                        type(self.model).__name__)
+            self._compiled = torch.compile(self.model, dynamic=None)
+        return self._compiled
 
     def _eager(self, input_ids, position_ids, current) -> torch.Tensor:
         if current is None:
@@ -211,13 +242,20 @@ class DecodeGraph:
         with torch.cuda.stream(stream), capturing():  # before capture_begin: no collection inside the capture
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
-                logits = self._forward(static_ids, static_pos)
+                logits = self._forward(static_ids, static_pos, capture=True)
             except BaseException:
                 self._forked.clear()
                 try:  # the capture is invalid: end it quietly and raise the error that broke it
                     graph.capture_end()
                 except Exception:  # noqa: BLE001
                     logger.debug("capture_end after a failed whole-step capture", exc_info=True)
+                exc = sys.exc_info()[1]
+                if isinstance(exc, torch._dynamo.exc.RecompileError):
+                    raise UnsupportedError(
+                        f"OasisConfig.compile_model: torch.compile wanted to recompile {type(self.model).__name__} "
+                        f"while the whole-step graph was being captured (T={input_ids.shape[1]}), which would run "
+                        f"its autotuning inside the capture ({exc}). This cache is left mid-forward: close it, and "
+                        "decode with compile_model=False (the same graph without Inductor's fusion)") from exc
                 raise
             graph.capture_end()
         current.wait_stream(stream)

@@ -124,6 +124,28 @@ def test_decode_graph_replays_on_cuda_and_stays_exact(selector):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_compiled_model_in_the_whole_step_path_decodes_the_same_tokens(device):
+    """OasisConfig.compile_model: the model's modules through torch.compile (graph breaks at the cache's update and
+    the attention; on CUDA two eager calls compile, the third captures without compiling, later ones replay) pick,
+    fetch and decode as ordinary decoding does (float32, so that Inductor's fused rounding cannot flip a token)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = tiny_model("llama", attn="oasis", device=device)
+    ids, mask = left_padded([180, 150], seed=6)
+    ids, mask = ids.to(device), mask.to(device)
+    steps = 12 if device == "cuda" else 3  # the CPU compiles the mask frames again at every eager call
+    stats = _graph_path_matches(model, ids, mask, steps, dict(SMALL, selector="lookahead", compile_model=True))
+    if device == "cuda":
+        assert stats["graph_replays"] > 0
+    torch._dynamo.reset()
+    # Inductor's compile workers are torch's (shut down at interpreter exit); stop them now for the leak check.
+    from torch._inductor.async_compile import shutdown_compile_workers
+
+    shutdown_compile_workers()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("selector", ["lookahead", "current-query"])
 def test_decode_generate_equals_generate_on_the_same_cache_config(selector, device):
     """`decode_generate` (every step through a DecodeGraph) gives the tokens of `model.generate` on an OasisCache of

@@ -393,7 +393,7 @@ def test_floor_bench_runs_every_kind_of_row_in_one_process(tmp_path, monkeypatch
     out = tmp_path / "floor"
     monkeypatch.setattr(sys, "argv", ["bench_floor", "--device", "cpu", "--shape", "tiny", "--points", "2x600",
                                       "--budget", "256", "--warmup", "1", "--repeats", "2", "--dense-kernels", "sdpa",
-                                      "--delta-rate", str(rate), "--out", str(out)])
+                                      "--delta-rate", str(rate), "--compile-model", "off", "--out", str(out)])
     bench_floor.main()
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     kinds = {r["kind"] for r in rows}
@@ -407,6 +407,35 @@ def test_floor_bench_runs_every_kind_of_row_in_one_process(tmp_path, monkeypatch
     assert len(real) == 1 and real[0]["max_fetch_blocks"] == 3  # the plain-decoding rate, rounded up
     assert "6.00 per forward of 4.0 tokens" in real[0]["note"]
     assert out.with_suffix(".md").read_text().count("| floor |") == 2  # the kind column of the two floor rows
+
+
+def test_floor_bench_compiled_rows_carry_their_label_and_logit_check(tmp_path, monkeypatch):
+    """Plumbing only, on the CPU: with --compile-model only, the dense-graphed row and the OasisKV row run the model
+    through torch.compile (Inductor on the CPU), are labelled so and flagged `compiled`, and the compiled dense step
+    is checked against eager dense attention."""
+    import sys
+
+    import torch._dynamo
+    from torch._inductor.async_compile import shutdown_compile_workers
+
+    from eval import bench_floor
+
+    out = tmp_path / "floor"
+    monkeypatch.setattr(sys, "argv", ["bench_floor", "--device", "cpu", "--shape", "tiny", "--points", "2x300",
+                                      "--budget", "256", "--warmup", "1", "--repeats", "2", "--dense-kernels", "sdpa",
+                                      "--methods", "dense-graphed", "oasis-static", "--compile-model", "only",
+                                      "--out", str(out)])
+    try:
+        bench_floor.main()
+    finally:
+        torch._dynamo.reset()
+        shutdown_compile_workers()  # torch's workers (they end with the interpreter); stopped for the leak check
+    rows = {r["method"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    dense = rows["dense graphed (sdpa, torch.compile)"]
+    oasis = rows["OasisKV static @256 (whole-step graph, torch.compile)"]
+    assert dense["compiled"] and oasis["compiled"] and oasis["step vs static"] == 1
+    assert dense["logit check"]["compiled"] and dense["logit check"]["max abs logit diff"] < 1e-4
+    assert "dense graphed (sdpa)" not in rows  # only the compiled variants
 
 
 def test_generate_path_bench_runs_its_decode_and_prefill_rows(tmp_path, monkeypatch):

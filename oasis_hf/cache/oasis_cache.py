@@ -252,6 +252,7 @@ class OasisCache(Cache):
         layer.writeback_event = event
 
     # ------------------------------------------------------------------------------------------------ Cache API
+    @torch.compiler.disable  # host state and our kernels: a compiled model (compile_model) breaks its graph here
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """transformers' entry point, per layer and forward; refuses misuse before any state changes: a closed
         cache, a second thread, a model other than the one the cache was built for, a cache left mid-forward."""

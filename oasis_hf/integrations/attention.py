@@ -23,6 +23,7 @@ from oasis_hf.kernels.dense import dense_attention
 ATTENTION_NAME = "oasis"
 
 
+@torch.compiler.disable  # a compiled model (OasisConfig.compile_model) breaks its graph here: the layer's step is ours
 def oasis_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
