@@ -12,6 +12,9 @@ sequence, `oasis_hf.cli.passkey_prompt` with a seed per sequence):
   every step one CUDA graph replay over preallocated K/V;
 - ``model.generate, OasisCache lookahead``: what a user of ``oasis_hf.enable(model)`` runs, each decode forward a
   replay of the whole-step graph;
+- the same two with the model through ``torch.compile`` inside the captured graph (``dense-graphed-compiled``,
+  ``generate-oasis-compiled``: `OasisConfig.compile_model`); the warm-up compiles, the timed call reuses what
+  ``torch.compile`` cached for the model;
 - ``greedy, OasisCache current-query``: the same with OasisKV, and through whole-model CUDA graphs
   (`oasis_hf.decode_generate`: the same tokens, one launch per step);
 - ``HF assisted, DynamicCache`` (batch 1 only: transformers refuses larger batches);
@@ -54,8 +57,8 @@ def batch_prompts(tokenizer, context: int, batch: int, device) -> tuple[dict, li
     return tokenizer(list(prompts), return_tensors="pt", padding=True).to(device), list(keys)
 
 
-KINDS = ["greedy", "greedy-graphs", "generate-oasis", "dense-graphed", "assisted", "speculative",
-         "speculative-target-graphs", "speculative-eager-draft"]
+KINDS = ["greedy", "greedy-graphs", "generate-oasis", "dense-graphed", "generate-oasis-compiled",
+         "dense-graphed-compiled", "assisted", "speculative", "speculative-target-graphs", "speculative-eager-draft"]
 
 
 class FirstToken(StoppingCriteria):
@@ -130,8 +133,9 @@ def main() -> None:
     n = args.new_tokens
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    def cfg(selector):
-        return oasis_hf.OasisConfig(budget_tokens=args.budget, selector=selector)
+    def cfg(selector, kind=""):
+        return oasis_hf.OasisConfig(budget_tokens=args.budget, selector=selector,
+                                    compile_model=kind.endswith("-compiled"))
 
     inputs, gen = None, None  # set per batch below
 
@@ -150,10 +154,10 @@ def main() -> None:
             out = oasis_hf.decode_generate(model, inputs["input_ids"], inputs["attention_mask"], cache=cache,
                                            max_new_tokens=gen["max_new_tokens"], pad_token_id=pad)
             return out, None, None
-        if kind == "dense-graphed":
+        if kind in ("dense-graphed", "dense-graphed-compiled"):
             t0 = time.perf_counter()
             out, ttft = dense_graphed_generate(model, inputs["input_ids"], inputs["attention_mask"],
-                                               gen["max_new_tokens"])
+                                               gen["max_new_tokens"], compiled=kind == "dense-graphed-compiled")
             return out, None, t0 + ttft
         extra = {"assistant_model": draft} if kind == "assisted" else {}
         cache = cache if cache is not None else DynamicCache(config=model.config)
@@ -170,8 +174,9 @@ def main() -> None:
         gen = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=pad)
         with torch.inference_mode():
             generate("greedy", None)
-            for kind, selector in (("dense-graphed", None), ("greedy", "current-query"),
-                                   ("greedy-graphs", "current-query"), ("generate-oasis", "lookahead"),
+            for kind, selector in (("dense-graphed", None), ("dense-graphed-compiled", None),
+                                   ("greedy", "current-query"), ("greedy-graphs", "current-query"),
+                                   ("generate-oasis", "lookahead"), ("generate-oasis-compiled", "lookahead"),
                                    ("speculative", None), ("speculative", "lookahead"),
                                    ("speculative-target-graphs", "lookahead")):
                 if args.kinds is not None and kind not in args.kinds:
@@ -180,7 +185,7 @@ def main() -> None:
                     generate(kind, None)
                     continue
                 try:  # a path that fails here fails again in its timed row, which records the error
-                    with oasis_hf.OasisCache(model.config, cfg(selector)) as cache:
+                    with oasis_hf.OasisCache(model.config, cfg(selector, kind)) as cache:
                         generate(kind, cache)
                 except Exception as exc:  # noqa: BLE001
                     logger.error("warm-up of %s failed: %r", kind, exc)
@@ -194,6 +199,9 @@ def main() -> None:
                     ("dense graphed (prefill, then one CUDA graph replay per step)", "dense-graphed", None),
                     (f"model.generate, OasisCache lookahead @{args.budget} (whole-step graph via oasis_hf.enable)",
                      "generate-oasis", "lookahead"),
+                    ("dense graphed, model through torch.compile", "dense-graphed-compiled", None),
+                    (f"model.generate, OasisCache lookahead @{args.budget}, compile_model (whole-step graph of the "
+                     "compiled model)", "generate-oasis-compiled", "lookahead"),
                     (f"greedy, OasisCache current-query @{args.budget}", "greedy", "current-query"),
                     (f"greedy, OasisCache current-query @{args.budget}, whole-step graphs (decode_generate)",
                      "greedy-graphs", "current-query")]
@@ -209,7 +217,7 @@ def main() -> None:
             variants = variants[:1] + [v for v in variants[1:] if v[1] in args.kinds]
         batch_rows = []
         for label, kind, selector in variants:
-            cache = oasis_hf.OasisCache(model.config, cfg(selector)) if selector else None
+            cache = oasis_hf.OasisCache(model.config, cfg(selector, kind)) if selector else None
             batch_rows.append(run_row(label, lambda: generate(kind, cache), inputs, tokenizer, keys, n))  # noqa: B023
             if cache is not None:
                 cache.close()

@@ -190,12 +190,15 @@ def _graph(fn, device: torch.device):
 
 @torch.inference_mode()
 def dense_graphed_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                           graphs: bool = True) -> tuple[torch.Tensor, float]:
+                           graphs: bool = True, compiled: bool = False) -> tuple[torch.Tensor, float]:
     """Greedy generation the dense-graphed way, end to end: a prefill over a `DynamicCache`, its K/V copied into
     preallocated buffers, then every decode step one replay of a captured forward whose attention (our Triton
     split-K kernel, the PyTorch twin on the CPU) reads the length from device memory, so one graph serves every
     step. Left padding is honoured (positions from the mask, padded keys masked). No EOS stop: `max_new_tokens`
     tokens per sequence, like ``min_new_tokens=max_new_tokens`` in ``generate``.
+
+    `compiled`: every decode step runs the model through ``torch.compile`` (compiled in the first step, which runs
+    eagerly before the capture).
 
     Returns ``(sequences (B, L + max_new_tokens), seconds to the first token)``.
     """
@@ -222,8 +225,10 @@ def dense_graphed_generate(model, input_ids: torch.Tensor, attention_mask: torch
     previous = model.config._attn_implementation
     model.set_attn_implementation(PREFIX_ATTENTION)
 
+    target = _target(model, compiled)
+
     def step():
-        logits = model(input_ids=token, position_ids=positions, use_cache=False, logits_to_keep=1).logits[:, -1]
+        logits = target(input_ids=token, position_ids=positions, use_cache=False, logits_to_keep=1).logits[:, -1]
         token.copy_(logits.argmax(-1, keepdim=True))
         positions.add_(1)
         decode.position.add_(1)

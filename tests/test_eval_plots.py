@@ -490,6 +490,28 @@ def test_dense_graphed_generate_gives_the_tokens_of_generate():
     assert model.config._attn_implementation == before
 
 
+def test_dense_graphed_generate_compiled_gives_the_same_tokens():
+    """The compiled variant of the end-to-end dense baseline (the model through torch.compile in every decode step;
+    Inductor on the CPU) decodes the tokens of the eager one."""
+    import torch
+    import torch._dynamo
+    from torch._inductor.async_compile import shutdown_compile_workers
+
+    from eval.dense_baselines import dense_graphed_generate
+    from tests._factories import tiny_model
+    from tests.test_generate import left_padded
+
+    model = tiny_model("llama")
+    ids, mask = left_padded([70, 51])
+    ref, _ = dense_graphed_generate(model, ids, mask, max_new_tokens=6)
+    try:
+        out, _ = dense_graphed_generate(model, ids, mask, max_new_tokens=6, compiled=True)
+    finally:
+        torch._dynamo.reset()
+        shutdown_compile_workers()  # torch's workers (they end with the interpreter); stopped for the leak check
+    assert torch.equal(out, ref)
+
+
 def test_accuracy_rows_count_every_gpu_byte_of_their_method():
     """The memory columns of the accuracy tables: Qwen2.5-Coder-1.5B (28 layers, 2 KV heads of 128, bf16) at 16k
     tokens: dense keeps the prompt's KV (448 MiB); OasisKV @2048 its pool (56 MiB) plus mean+minmax summaries of
