@@ -93,10 +93,14 @@ def _profile_host(fn) -> tuple[float, list[dict]]:
 
 @torch.inference_mode()
 def decode_rows(model, selector: str, pool: PinnedPool, batch: int, context: int, warmup: int, repeats: int,
-                max_fetch: int | None) -> list[dict]:
+                max_fetch: int | None, compiled: bool = False) -> list[dict]:
+    """The DecodeGraph, model.generate and per-layer rows of one selector; `compiled`: the first two with
+    `OasisConfig.compile_model` (paths suffixed ``(compile_model)``; the per-layer path, which compiles nothing, is
+    left out)."""
     device = next(model.parameters()).device
-    fields = dict(budget_tokens=2048 if context > 4096 else 256, selector=selector,
+    fields = dict(budget_tokens=2048 if context > 4096 else 256, selector=selector, compile_model=compiled,
                   host_capacity_tokens=context + 4 * (warmup + repeats) + 64)
+    suffix = " (compile_model)" if compiled else ""
     if max_fetch is not None:
         fields["max_fetch_blocks"] = max_fetch
     base = dict(kind="decode", selector=selector, batch=batch, context=context)
@@ -115,11 +119,12 @@ def decode_rows(model, selector: str, pool: PinnedPool, batch: int, context: int
             state["token"] = logits[:, -1:].argmax(-1)
 
         times = time_steps(step, warmup, repeats)
-    rows.append(base | {"path": "DecodeGraph", "ms/step (median)": median(times), "ms/step (p90)":
+    rows.append(base | {"path": "DecodeGraph" + suffix, "ms/step (median)": median(times), "ms/step (p90)":
                         percentile(times, 0.9), "raw_ms": times})
 
     # model.generate: the whole-step graph through oasis_hf.enable's forward wrapper, then the per-layer path.
-    for path, whole in (("model.generate", True), ("model.generate (per-layer)", False)):
+    paths = [("model.generate", True)] + ([] if compiled else [("model.generate (per-layer)", False)])
+    for path, whole in paths:
         release_memory()
         cfg = oasis_hf.OasisConfig(**fields, whole_step=whole)
         with _filled_cache(model, cfg, pool, batch, context) as cache:
@@ -140,7 +145,7 @@ def decode_rows(model, selector: str, pool: PinnedPool, batch: int, context: int
                 out = generate(ids, warmup + 1)  # continued below: the cache holds its tokens
                 synchronize()
                 host_s, top = _profile_host(lambda out=out: generate(out, repeats))
-        row = base | {"path": path, "ms/step (median)": median(times), "ms/step (p90)": percentile(times, 0.9),
+        row = base | {"path": path + suffix, "ms/step (median)": median(times), "ms/step (p90)": percentile(times, 0.9),
                       "raw_ms": times}
         if host_s is not None:
             row["host ms/step (profiled)"] = host_s * 1e3 / repeats
@@ -261,6 +266,9 @@ def main() -> None:
     parser.add_argument("--prefill-chunk", type=int, default=8192,
                         help="also prefill in chunks of this many tokens (0: no chunked rows)")
     parser.add_argument("--profile-prefill", action="store_true", help="GPU time by kernel of one prefill each")
+    parser.add_argument("--compile-model", choices=["off", "also"], default="off",
+                        help="also: the DecodeGraph / model.generate rows and the dense graphed row once more with the "
+                             "model through torch.compile (OasisConfig.compile_model)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -310,13 +318,17 @@ def main() -> None:
         pool.clear()
     for text in args.points:
         batch, context = (int(x) for x in text.lower().split("x"))
+        variants = [False, True] if args.compile_model == "also" else [False]
         for selector in args.selectors:
             cap = args.max_fetch_blocks if selector == "lookahead" else None
-            attempt(f"decode {text} {selector}", lambda b=batch, c=context, s=selector, cap=cap: decode_rows(
-                model, s, pool, b, c, args.warmup, args.repeats, cap))
-        if on_gpu:
-            attempt(f"dense graphed {text}", lambda b=batch, c=context: [
-                dense_graphed_row(model, b, c, args.warmup, args.repeats) | {"kind": "decode", "path": "dense graphed"}
+            for compiled in variants:
+                attempt(f"decode {text} {selector}{' compiled' if compiled else ''}",
+                        lambda b=batch, c=context, s=selector, cap=cap, k=compiled: decode_rows(
+                            model, s, pool, b, c, args.warmup, args.repeats, cap, compiled=k))
+        for compiled in variants if on_gpu else []:
+            path = "dense graphed" + (" (torch.compile)" if compiled else "")
+            attempt(f"{path} {text}", lambda b=batch, c=context, k=compiled, p=path: [
+                dense_graphed_row(model, b, c, args.warmup, args.repeats, compiled=k) | {"kind": "decode", "path": p}
             ])
         pool.clear()
     for row in rows:
