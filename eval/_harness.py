@@ -220,8 +220,6 @@ def profile_families(step, layers: int, replays: int = 5) -> dict:
     return {"families": table, "top kernels (us per layer-step)": {name[:120]: t / per for name, t in top}}
 
 
-
-
 @contextlib.contextmanager
 def yarn_context(model, tokens: int):
     """The model's rotary embeddings stretched with YaRN to hold `tokens` positions while the block runs, as the

@@ -159,7 +159,7 @@ def run_method(model, name: str, make_cache, input_ids, warmup: int, repeats: in
 
 def graph_replay_cost(cache: oasis_hf.OasisCache, replays: int = 20) -> dict:
     """Host and device microseconds of one replay of layer 0's captured T=1 step (run last: it changes the cache)."""
-    graphs = cache.oasis_layers[0]._graphs
+    graphs = cache.oasis_layers[0].step_graphs.graphs
     if 1 not in graphs:
         return {}
     graph = graphs[1].graph

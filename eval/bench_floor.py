@@ -105,10 +105,6 @@ def delta_rate(path: Path | None) -> tuple[float | None, str]:
     return (max(plain) if plain else None), note
 
 
-
-
-
-
 @torch.inference_mode()
 def oasis_row(model, kind: str, cfg: oasis_hf.OasisConfig, pool: PinnedPool, batch: int, context: int,
               warmup: int, repeats: int, profile: bool) -> dict:

@@ -41,17 +41,6 @@ from eval.plot import plot_throughput
 logger = logging.getLogger("eval.bench_multigpu")
 
 
-
-
-
-
-
-
-
-
-
-
-
 def dense_max_batch(model, shape, context: int, dtype, margin_gib: float) -> int:
     """Sequences whose K/V (+ one layer's append copy) fit in the free memory of every GPU."""
     per_seq_layer = kv_bytes_per_token_layer(shape, dtype) * (context + 64)
@@ -67,12 +56,6 @@ def dense_max_batch(model, shape, context: int, dtype, margin_gib: float) -> int
 def oasis_max_batch(shape, context: int, capacity: int, dtype, host_gib: float) -> int:
     per_seq = kv_bytes_per_token_layer(shape, dtype) * capacity * shape["num_hidden_layers"]
     return int(host_gib * GIB // per_seq)
-
-
-
-
-
-
 
 
 def main() -> None:
@@ -116,6 +99,8 @@ def main() -> None:
             row["tokens/s vs dense"] = row["tokens/s"] / dense["tokens/s"]
             row["GPU KV vs dense"] = row["GPU KV MiB/seq"] / dense["GPU KV MiB/seq"]
             report(args, devices, shape, dtype, rows)  # after every row: a run cut short keeps what it measured
+
+
 def report(args, devices: list[str], shape: dict, dtype, rows: list[dict]) -> None:
     columns = ["method", "context", "batch", "ms/step (median)", "ms/step (p90)", "tokens/s", "tokens/s vs dense",
                "host enqueue ms/step", "GPU KV MiB/seq", "GPU KV vs dense", "host MiB/seq",

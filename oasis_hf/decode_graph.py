@@ -25,7 +25,6 @@ step's position (transformers' mask arguments) as dynamic, so that the capture i
 from __future__ import annotations
 
 import logging
-import sys
 import weakref
 from dataclasses import dataclass
 
@@ -33,9 +32,9 @@ import torch
 import torch._dynamo
 
 from oasis_hf import compat
+from oasis_hf.cache.capture import capture_graph
 from oasis_hf.cache.layer import OasisLayer
 from oasis_hf.cache.oasis_cache import OasisCache
-from oasis_hf.cache.pinned import capturing
 from oasis_hf.draft import forward_logits, positions
 from oasis_hf.errors import UnsupportedError
 
@@ -130,7 +129,7 @@ class DecodeGraph:
         device = torch.device(device)
         if device.type != "cuda":
             return None
-        stream = self.cache._prefetcher(device).stream
+        stream = self.cache.prefetcher(device).stream
         stream.wait_stream(torch.cuda.current_stream(device))
         self._forked[device] = stream
         return stream
@@ -150,7 +149,7 @@ class DecodeGraph:
         layers = cache.oasis_layers
         device = input_ids.device
         cache.wait()  # jobs of earlier eager steps: finished and ordered before this step
-        cache._reserve(start + num_tokens)  # may grow the store: a new table epoch, captured graphs are stale
+        cache.reserve(start + num_tokens)  # may grow the store: a new table epoch, captured graphs are stale
         current = torch.cuda.current_stream(device) if device.type == "cuda" else None
         for layer in layers:
             if layer.writeback_event is not None:  # rows an eager step wrote back: landed before this step reads
@@ -161,7 +160,7 @@ class DecodeGraph:
             scalars = self._starts[device] = torch.zeros(2, dtype=torch.long, device=device)
         scalars[0].fill_(start)  # fill kernels with the values as arguments: no host buffer to race with
         scalars[1].fill_(start + num_tokens)
-        epoch = cache._epoch
+        epoch = cache.table_epoch
         entry = self._graphs.get(num_tokens)
         graphs = device.type == "cuda" and cache.config.cuda_graphs
         warm_epoch, warm_runs = self._warm.get(num_tokens, (None, 0))
@@ -190,7 +189,7 @@ class DecodeGraph:
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, capture: bool = False) -> torch.Tensor:
         """The model's forward with every OasisLayer on its whole-step path; forked streams joined at the end. With
         `capture`, a compiled model must not compile (that would run its autotuning inside the capture)."""
-        self.cache._whole_step = self
+        self.cache.step_runner = self
         try:
             if self.cache.config.compile_model:
                 model = self._compiled_model()
@@ -204,7 +203,7 @@ class DecodeGraph:
                 out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
                                  **{self._kwarg: self.cache}).logits
         finally:
-            self.cache._whole_step = None
+            self.cache.step_runner = None
         for device, stream in self._forked.items():
             torch.cuda.current_stream(device).wait_stream(stream)
         self._forked.clear()
@@ -222,7 +221,7 @@ class DecodeGraph:
             return self._forward(input_ids, position_ids)
         # On the capture stream, as the capture will run: it creates the library handles and workspaces that stream
         # needs and compiles every Triton variant, so nothing of the kind happens during the capture.
-        stream = self.cache._capture_stream(input_ids.device)
+        stream = self.cache.capture_stream(input_ids.device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
             logits = self._forward(input_ids, position_ids)
@@ -235,30 +234,23 @@ class DecodeGraph:
         static_ids, static_pos = input_ids.clone(), position_ids.clone()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        stream = self.cache._capture_stream(device)
-        current = torch.cuda.current_stream(device)
-        stream.wait_stream(current)
-        with torch.cuda.stream(stream), capturing():  # before capture_begin: no collection inside the capture
-            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+
+        def forward():
             try:
-                logits = self._forward(static_ids, static_pos, capture=True)
+                return self._forward(static_ids, static_pos, capture=True)
             except BaseException:
                 self._forked.clear()
-                try:  # the capture is invalid: end it quietly and raise the error that broke it
-                    graph.capture_end()
-                except Exception:  # noqa: BLE001
-                    logger.debug("capture_end after a failed whole-step capture", exc_info=True)
-                exc = sys.exc_info()[1]
-                if isinstance(exc, torch._dynamo.exc.RecompileError):
-                    raise UnsupportedError(
-                        f"OasisConfig.compile_model: torch.compile wanted to recompile {type(self.model).__name__} "
-                        f"while the whole-step graph was being captured (T={input_ids.shape[1]}), which would run "
-                        f"its autotuning inside the capture ({exc}). This cache is left mid-forward: close it, and "
-                        "decode with compile_model=False (the same graph without Inductor's fusion)") from exc
                 raise
-            graph.capture_end()
-        current.wait_stream(stream)
+
+        try:
+            graph, logits = capture_graph(self.cache.capture_stream(device), forward, pool=self._pool,
+                                          what="whole-step")
+        except torch._dynamo.exc.RecompileError as exc:
+            raise UnsupportedError(
+                f"OasisConfig.compile_model: torch.compile wanted to recompile {type(self.model).__name__} while the "
+                f"whole-step graph was being captured (T={input_ids.shape[1]}), which would run its autotuning "
+                f"inside the capture ({exc}). This cache is left mid-forward: close it, and decode with "
+                "compile_model=False (the same graph without Inductor's fusion)") from exc
         logger.info("DecodeGraph: captured T=%d (%d layers)", input_ids.shape[1], len(self.cache.oasis_layers))
         return _Captured(graph, static_ids, static_pos, logits, epoch)
 

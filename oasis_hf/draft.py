@@ -21,7 +21,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from oasis_hf import compat
-from oasis_hf.cache.pinned import capturing
+from oasis_hf.cache.capture import capture_graph
 
 logger = logging.getLogger(__name__)
 
@@ -233,11 +233,8 @@ class GraphedDraft:
             logits = self._forward_one()
         else:
             if self.graph is None:  # capture records the step without running it; the replay below runs it
-                self.graph = torch.cuda.CUDAGraph()
-                # thread_local: the target cache's prefetch worker keeps using the CUDA API meanwhile;
-                # capturing(): a collected cache's host memory is unregistered after the capture, not inside it.
-                with capturing(), torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-                    self.logits = self._forward_one()
+                self.graph, self.logits = capture_graph(torch.cuda.Stream(self.token.device), self._forward_one,
+                                                        what="draft step")
             self.graph.replay()
             logits = self.logits.clone()
         self.cache.length += 1  # after the forward: during it, the cache holds the tokens before the new one

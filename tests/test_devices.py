@@ -69,7 +69,7 @@ def test_split_model_matches_single_device(devices, budget, selector):
         assert torch.equal(_generate(dense, DynamicCache(config=dense.config), ids.to(first), mask.to(first)), out)
     stats = cache.stats.summary()
     gpu_layers = [layer for layer in cache.oasis_layers if layer.pool_k.is_cuda]
-    assert stats["graph_replays"] > 0 and all(layer._graphs for layer in gpu_layers)
+    assert stats["graph_replays"] > 0 and all(layer.step_graphs.graphs for layer in gpu_layers)
     if selector == "lookahead":
         assert set(cache._prefetchers) == {torch.device(d) for d in devices}  # one worker per device
     cache.close()

@@ -9,8 +9,8 @@ import torch
 from transformers import DynamicCache
 
 from oasis_hf import PrefetchError
-from oasis_hf.cache.layer import OasisLayer
 from oasis_hf.cache.prefetch import Prefetcher
+from oasis_hf.cache.selection_jobs import SelectionJobs
 from tests._factories import oasis_cache, tiny_model
 from tests.test_generate import generate, left_padded
 
@@ -62,13 +62,13 @@ def test_lookahead_selects_with_the_draft_queries():
     draft.generation_config.num_assistant_tokens_schedule = "constant"  # keep T = 5 although drafts are rejected
     draft.generation_config.assistant_confidence_threshold = 0.0  # and although the random draft is unsure
     seen = []
-    original = OasisLayer._job
+    original = SelectionJobs.job
 
     def spy(self, query, start, num_tokens, scale):
-        seen.append(self.cache.selector.lookahead_queries(query).shape[2])
+        seen.append(self.layer.cache.selector.lookahead_queries(query).shape[2])
         return original(self, query, start, num_tokens, scale)
 
-    OasisLayer._job = spy
+    SelectionJobs.job = spy
     try:
         for selector in ("lookahead", "previous-query"):
             seen.clear()
@@ -76,18 +76,18 @@ def test_lookahead_selects_with_the_draft_queries():
                 generate(model, ids, mask, cache, assistant_model=draft)
             assert max(seen) == (5 if selector == "lookahead" else 1)
     finally:
-        OasisLayer._job = original
+        SelectionJobs.job = original
 
 
 def slow_jobs(monkeypatch, seconds: float) -> None:
     """Make every selection job sleep `seconds` first, so the layer's next step finds it unfinished."""
-    original = OasisLayer._job
+    original = SelectionJobs.job
 
     def slow(self, *args):
         time.sleep(seconds)
         return original(self, *args)
 
-    monkeypatch.setattr(OasisLayer, "_job", slow)
+    monkeypatch.setattr(SelectionJobs, "job", slow)
 
 
 def test_slow_prefetcher_changes_nothing_but_late_count(monkeypatch):
@@ -109,7 +109,7 @@ def test_worker_exception_surfaces_in_the_caller(monkeypatch):
     model = tiny_model("llama", attn="oasis")
     ids, mask = left_padded([200])
     calls = []
-    original = OasisLayer._job
+    original = SelectionJobs.job
 
     def broken(self, *args):
         calls.append(1)
@@ -117,7 +117,7 @@ def test_worker_exception_surfaces_in_the_caller(monkeypatch):
             raise RuntimeError("injected failure")
         return original(self, *args)
 
-    monkeypatch.setattr(OasisLayer, "_job", broken)
+    monkeypatch.setattr(SelectionJobs, "job", broken)
     cache = oasis_cache(model, selector="lookahead", **SMALL)
     with pytest.raises(PrefetchError, match="injected failure") as err:
         generate(model, ids, mask, cache)
@@ -254,14 +254,14 @@ def test_growth_and_reset_send_each_query_length_back_to_an_eager_warm_up():
     with oasis_cache(model, selector="lookahead") as cache:
         generate(model, ids, mask, cache)
         layer = cache.oasis_layers[0]
-        layer._warm.update({1, 5})
-        layer._job_warm.update({1, 5})
+        layer.step_graphs.warm.update({1, 5})
+        layer.jobs.warm.update({1, 5})
         layer.grow(layer.table.capacity_blocks + 8)
-        assert not layer._warm and not layer._job_warm
-        layer._warm.add(1)
-        layer._job_warm.add(1)
+        assert not layer.step_graphs.warm and not layer.jobs.warm
+        layer.step_graphs.warm.add(1)
+        layer.jobs.warm.add(1)
         layer.reset()
-        assert not layer._warm and not layer._job_warm
+        assert not layer.step_graphs.warm and not layer.jobs.warm
 
 
 @pytest.mark.parametrize("drop", [True, False])
@@ -270,14 +270,14 @@ def test_rejected_drafts_are_dropped_from_jobs_not_started(monkeypatch, drop):
     only when drop_rejected_drafts is on. With the budget covering the context the next step equals that of a cache
     that never saw the rejected tokens (narrowing changes which blocks are chosen, never exactness)."""
     seen: list[int] = []
-    original = OasisLayer._job
+    original = SelectionJobs.job
 
     def recording(self, query, start, num_tokens, scale):
         time.sleep(0.02)  # the worker lags, so the crop finds most jobs queued
         seen.append(num_tokens)
         return original(self, query, start, num_tokens, scale)
 
-    monkeypatch.setattr(OasisLayer, "_job", recording)
+    monkeypatch.setattr(SelectionJobs, "job", recording)
     model = tiny_model("llama", attn="oasis", layers=4)
     ids = torch.randint(1, 128, (1, 210), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode(), oasis_cache(model, selector="lookahead", drop_rejected_drafts=drop) as cache:

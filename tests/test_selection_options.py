@@ -4,8 +4,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import oasis_hf.cache.layer as layer_module
-from oasis_hf.cache.layer import block_mass
+import oasis_hf.cache.prefill as prefill_module
+from oasis_hf.cache import scoring
+from oasis_hf.cache.scoring import block_mass
 from tests._factories import oasis_cache, tiny_model
 from tests.test_generate import generate, left_padded
 
@@ -34,14 +35,14 @@ def test_block_mass_is_each_rows_causal_softmax_summed_per_block():
 
 def spy_block_mass(monkeypatch) -> list:
     calls = []
-    original = layer_module.block_mass
+    original = prefill_module.block_mass
 
     def spy(query, keys, scale, q_pos, kv_start, block_size, capacity):
         out = original(query, keys, scale, q_pos, kv_start, block_size, capacity)
         calls.append((query.shape[2], q_pos.clone(), keys.shape[2], out))
         return out
 
-    monkeypatch.setattr(layer_module, "block_mass", spy)
+    monkeypatch.setattr(prefill_module, "block_mass", spy)
     return calls
 
 
@@ -123,11 +124,11 @@ def test_score_decay_keeps_the_larger_of_the_new_share_and_the_decayed_memory():
         first[..., 5] = 6.0
         first[..., 0] = 6.0  # sequence 1 starts at token 40: its block 0 is padding
         layer.score_memory.zero_()
-        layer._scores(query, 1.0, last, num_tokens=1, raw=first)
+        scoring.block_scores(layer, query, 1.0, last, num_tokens=1, raw=first)
         assert float(layer.score_memory[0, 0, 5]) == pytest.approx(1.0)  # 6 / 6 rows
         second = torch.zeros(2, 2, nb)
         second[..., 7] = 1.2
-        scores = layer._scores(query, 1.0, last, num_tokens=1, raw=second)
+        scores = scoring.block_scores(layer, query, 1.0, last, num_tokens=1, raw=second)
         assert float(layer.score_memory[0, 0, 5]) == pytest.approx(0.5)  # remembered, halved
         assert float(layer.score_memory[0, 0, 7]) == pytest.approx(0.2)  # new share 1.2 / 6
         assert float(scores[0, 0, 5]) > float(scores[0, 0, 7])  # the remembered block still ranks first

@@ -372,15 +372,15 @@ def test_lookahead_job_graphs_survive_rejections_at_batch_4(monkeypatch, whole_s
     instead, with the same output."""
     import time
 
-    from oasis_hf.cache import layer as layer_module
+    from oasis_hf.cache.selection_jobs import EagerJob
 
-    start_job = layer_module._EagerJob.__call__
+    start_job = EagerJob.__call__
 
     def late(job):
         time.sleep(0.05)
         return start_job(job)
 
-    monkeypatch.setattr(layer_module._EagerJob, "__call__", late)
+    monkeypatch.setattr(EagerJob, "__call__", late)
     target = tiny_model("llama", layers=2, attn="oasis", device="cuda")
     ids, mask = left_padded([300, 177, 240, 260], seed=7)
     ids, mask = ids.cuda(), mask.cuda()
@@ -392,5 +392,5 @@ def test_lookahead_job_graphs_survive_rejections_at_batch_4(monkeypatch, whole_s
     if whole_step:
         assert cache.graph_runner is not None and cache.graph_runner.replays > 0, "the verify forwards ran eagerly"
         return
-    assert any(layer._job_graphs for layer in cache.layers), "no selection job was captured"
+    assert any(layer.jobs.graphs for layer in cache.layers), "no selection job was captured"
     assert cache.stats.narrowed_jobs > 0, "no job was narrowed: the test does not cover the warm-up it is about"

@@ -26,9 +26,10 @@ from transformers.configuration_utils import PretrainedConfig
 
 from oasis_hf import compat
 from oasis_hf.cache.host_store import BlockStore, HostKVStore
-from oasis_hf.cache.layer import OasisLayer, WindowLayer, padding_starts
+from oasis_hf.cache.layer import OasisLayer, WindowLayer
 from oasis_hf.cache.pinned import PinnedPool
 from oasis_hf.cache.prefetch import Prefetcher, background_stream
+from oasis_hf.cache.prefill import padding_starts
 from oasis_hf.cache.stats import OasisStats
 from oasis_hf.config import OasisConfig
 from oasis_hf.errors import OasisError, UnsupportedError
@@ -96,7 +97,7 @@ class OasisCache(Cache):
         self._writeback_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._capture_streams: dict[tuple[torch.device, bool], torch.cuda.Stream] = {}
         self._prefetchers: dict[torch.device, Prefetcher] = {}
-        self._whole_step = None  # the `oasis_hf.DecodeGraph` whose forward is running (layers take its path)
+        self.step_runner = None  # the `oasis_hf.DecodeGraph` whose forward is running (layers take its path)
         self._starts: tuple | None = None  # (mask, length, device, result) of the last prefill: see `padding_starts`
         #: The `oasis_hf.DecodeGraph` that ``model.generate``'s decode forwards replay over this cache (created by the
         #: fast path `oasis_hf.enable` installs, on the first decode forward; None until then or when not used).
@@ -125,13 +126,19 @@ class OasisCache(Cache):
     @property
     def in_whole_step(self) -> bool:
         """Whether a `oasis_hf.DecodeGraph` forward over this cache is running (its layers take the whole-step path)."""
-        return self._whole_step is not None
+        return self.step_runner is not None
+
+    @property
+    def table_epoch(self) -> int:
+        """A counter bumped whenever the tables and host segments are reallocated (graphs captured before are
+        stale)."""
+        return self._epoch
 
     @property
     def host_capacity_blocks(self) -> int:
         return self.host.capacity_blocks if self.host is not None else 0
 
-    def _reserve(self, num_tokens: int) -> None:
+    def reserve(self, num_tokens: int) -> None:
         """Make the host store (all layers at once) and the block maps hold `num_tokens` tokens per sequence."""
         if self._host_returned:
             raise UnsupportedError(
@@ -162,7 +169,7 @@ class OasisCache(Cache):
         longest length that fits named) before any decoding, instead of failing when the store grows mid-decode."""
         self._planned_tokens = max(self._planned_tokens, int(num_tokens))
 
-    def _prefetcher(self, device: torch.device) -> Prefetcher:
+    def prefetcher(self, device: torch.device) -> Prefetcher:
         """The background selection worker of `device`, started on first use."""
         worker = self._prefetchers.get(device)
         if worker is None:
@@ -173,8 +180,7 @@ class OasisCache(Cache):
     def wait(self) -> None:
         """Wait for every outstanding selection job (re-raises a worker failure as `PrefetchError`)."""
         for layer in self._oasis_layers:
-            if layer._ticket is not None:
-                layer._await_job()
+            layer.jobs.await_job()
 
     def close(self) -> None:
         """Finish outstanding selection jobs and stop the prefetch workers (idempotent; `reset` keeps them). Terminal:
@@ -198,14 +204,14 @@ class OasisCache(Cache):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _writeback_stream(self, device: torch.device) -> torch.cuda.Stream:
+    def writeback_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The side stream device-to-host write-back runs on (eagerly, and as a forked branch inside graphs); high
         priority, so it runs beside the step (`background_stream`)."""
         if device not in self._writeback_streams:
             self._writeback_streams[device] = background_stream(device)
         return self._writeback_streams[device]
 
-    def _capture_stream(self, device: torch.device, background: bool = False) -> torch.cuda.Stream:
+    def capture_stream(self, device: torch.device, background: bool = False) -> torch.cuda.Stream:
         """The side stream the graphs of `device` are warmed up and captured on: decode steps at default priority,
         selection jobs (`background`) at high priority, which their replays keep (`background_stream`)."""
         key = (device, background)
@@ -213,7 +219,7 @@ class OasisCache(Cache):
             self._capture_streams[key] = background_stream(device) if background else torch.cuda.Stream(device)
         return self._capture_streams[key]
 
-    def _graph_pool(self, device: torch.device, kind: str):
+    def graph_pool(self, device: torch.device, kind: str):
         """The private memory pool the layers' graphs of `kind` on `device` share: ``"step"`` graphs replay one
         after another on the compute stream, ``"job"`` graphs one after another on the prefetch stream; the two
         kinds run concurrently, so they never share.
@@ -222,12 +228,12 @@ class OasisCache(Cache):
         the pool, so a new one is started then.
         """
         for layer in self._oasis_layers:
-            for graph in (layer._graphs if kind == "step" else layer._job_graphs).values():
-                if graph.device == device:
-                    return graph.graph.pool()
+            pool = layer.graph_pool(device, kind)
+            if pool is not None:
+                return pool
         return torch.cuda.graph_pool_handle()
 
-    def _write_back(self, layer: OasisLayer, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
+    def write_back(self, layer: OasisLayer, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         host = self.host
         if (keys.shape[0], keys.shape[1], keys.shape[3], keys.dtype) != (
             host.batch_size, host.num_kv_heads, host.head_dim, host.dtype
@@ -241,7 +247,7 @@ class OasisCache(Cache):
             host.write(layer.layer_idx, keys, values, start)
             return
         device = keys.device
-        stream = self._writeback_stream(device)
+        stream = self.writeback_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))  # K/V of this step exist before we read them
         with torch.cuda.device(device), torch.cuda.stream(stream):
             host.write(layer.layer_idx, keys, values, start)

@@ -1,0 +1,130 @@
+"""A layer's prefill forwards: dense attention over the prompt, the block summaries, the first selection.
+
+- `prefill`: the first forward on an empty cache. Dense attention over the chunk, summaries of every block, the
+  initial selection copied into the pool straight from the chunk's K/V (no host read);
+- `prefill_chunk`: a long forward on a non-empty cache (chunked prefill): exact dense attention over the whole
+  sequence, the earlier part read back from host memory, then the touched summaries and a new selection;
+- `padding_starts`: each sequence's first real position from the 2-D left-padding mask (one synchronisation).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from oasis_hf.cache.scoring import block_mass, block_scores, plan, token_ok
+from oasis_hf.errors import UnsupportedError
+from oasis_hf.kernels.dense import dense_attention
+
+if TYPE_CHECKING:
+    from oasis_hf.cache.layer import OasisLayer
+
+
+def _blocks(layer: OasisLayer, keys: torch.Tensor, values: torch.Tensor, end: int):
+    """`keys`/`values` (B, H_kv, end, D) padded to whole blocks: (B, H_kv, NB, BS, D) each, and NB."""
+    bs = layer.config.block_size
+    num_blocks = -(-end // bs)
+    pad = num_blocks * bs - end
+    blocks_k = torch.nn.functional.pad(keys, (0, 0, 0, pad)).view(
+        layer.batch_size, layer.num_kv_heads, num_blocks, bs, layer.head_dim
+    )
+    return blocks_k, torch.nn.functional.pad(values, (0, 0, 0, pad)).view_as(blocks_k), num_blocks
+
+
+def prefill(layer: OasisLayer, query, key, value, attention_mask, scale: float, end: int) -> torch.Tensor:
+    """The first forward of `layer` (positions ``0 .. end - 1``): (B, H_q, T, D) queries -> (B, T, H_q, D)."""
+    cfg = layer.config
+    layer.kv_start, pads = layer.cache.padding_starts(attention_mask, layer.batch_size, end, layer.device)
+    out = dense_attention(query, key, value, attention_mask, scale, pad_lengths=pads)
+    blocks_k, blocks_v, num_blocks = _blocks(layer, key, value, end)
+    block_ids = torch.arange(num_blocks, device=layer.device)
+    layer.summaries.write(block_ids, blocks_k, token_ok(layer, block_ids, end))
+    blocks, slots, valid = plan(layer, prefill_scores(layer, query, key, scale, 0, end), max_fetch=None,
+                                count=False)
+    # The pool is empty, so every chosen block is a miss: copy them from the chunk, not from host.
+    # `slots` is a permutation of the S slots, so scattering all S entries is safe; invalid ones stay unmapped.
+    index = blocks.clamp(0, num_blocks - 1)[..., None, None].expand(-1, -1, -1, cfg.block_size, layer.head_dim)
+    slot_index = slots[..., None, None].expand_as(index)
+    layer.pool_k.scatter_(2, slot_index, blocks_k.gather(2, index))
+    layer.pool_v.scatter_(2, slot_index, blocks_v.gather(2, index))
+    layer.cache.stats.record_prefill(layer.layer_idx, valid)
+    return out
+
+
+def prefill_chunk(layer: OasisLayer, query, key, value, attention_mask, scale: float, start: int,
+                  end: int) -> torch.Tensor:
+    """A long forward on a non-empty cache (positions ``start .. end - 1``): exact dense attention over the layer's
+    whole sequence, the earlier part read back from host memory (one zero-copy gather on CUDA). GPU memory holds one
+    layer's K/V at a time, not the model's. Then the summaries of the blocks it touched, and a new selection from its
+    last query, with every resident slot refilled from the full K/V."""
+    cfg = layer.config
+    bs = cfg.block_size
+    layer.jobs.await_job()
+    if layer.writeback_event is not None:  # every earlier row has landed in host memory
+        torch.cuda.current_stream(layer.device).wait_event(layer.writeback_event)
+        layer.writeback_event = None
+    past_k, past_v = layer.cache.host.read_range(layer.layer_idx, start, layer.device)
+    full_k, full_v = torch.cat([past_k, key], dim=2), torch.cat([past_v, value], dim=2)
+    del past_k, past_v
+    out = dense_attention(query, full_k, full_v, attention_mask, scale)
+    blocks_k, blocks_v, num_blocks = _blocks(layer, full_k, full_v, end)
+    touched = torch.arange(start // bs, num_blocks, device=layer.device)
+    layer.summaries.write(touched, blocks_k[:, :, start // bs :], token_ok(layer, touched, end))
+    # The selection memory starts afresh, as after one whole prefill: a chunked prefill then selects the same
+    # blocks (given a last chunk of at least `prefill_window_tokens` tokens).
+    layer.score_memory.zero_()
+    plan(layer, prefill_scores(layer, query, full_k, scale, start, end), max_fetch=None)
+    resident = layer.table.slot_block[..., : cfg.budget_blocks]
+    index = resident.clamp(0, num_blocks - 1)[..., None, None].expand(-1, -1, -1, bs, layer.head_dim)
+    keep = (resident >= 0)[..., None, None]
+    layer.pool_k.copy_(torch.where(keep, blocks_k.gather(2, index), layer.pool_k))
+    layer.pool_v.copy_(torch.where(keep, blocks_v.gather(2, index), layer.pool_v))
+    return out
+
+
+def prefill_scores(layer: OasisLayer, query, keys, scale: float, start: int, end: int) -> torch.Tensor:
+    """Scores of the first selection after a prefill forward holding positions ``start .. end - 1``.
+
+    query : (B, H_q, end - start, D) the forward's queries; keys : (B, H_kv, end, D) every key so far, on the
+    device. With `OasisConfig.prefill_window_tokens` ``W > 0`` (selectors that take it: not `static` or `oracle`)
+    the exact attention mass of the last ``W`` queries, else the last query against the summaries.
+    """
+    last = torch.full((), end - 1, dtype=torch.long, device=layer.device)
+    window = min(layer.config.prefill_window_tokens, query.shape[2])
+    if window == 0 or not layer.cache.selector.window_and_memory:
+        return block_scores(layer, query[:, :, -1:], scale, last)
+    q = query[:, :, -window:]
+    q_pos = torch.arange(end - window, end, device=layer.device)
+    mass = torch.zeros(layer.batch_size, layer.num_kv_heads, layer.table.capacity_blocks, device=layer.device)
+    group = q.shape[1] // layer.num_kv_heads
+    # One (sequence, KV head) at a time: (G * W, end) float32 logits, 64 MiB for G = 4, W = 32 at 128k tokens.
+    for b in range(layer.batch_size):
+        for h in range(layer.num_kv_heads):
+            mass[b : b + 1, h : h + 1] = block_mass(
+                q[b : b + 1, h * group : (h + 1) * group], keys[b : b + 1, h : h + 1], scale, q_pos,
+                layer.kv_start[b : b + 1], layer.config.block_size, layer.table.capacity_blocks,
+            )
+    return block_scores(layer, q, scale, last, num_tokens=1, raw=mass)
+
+
+def padding_starts(attention_mask, batch: int, length: int, device) -> tuple[torch.Tensor, list[int]]:
+    """The first real position of each sequence from a 2-D left-padding mask (None: no padding), as a (B,) long
+    tensor on `device` and as a host list (the number of padding tokens per sequence), read in one synchronisation."""
+    if attention_mask is None:
+        return torch.zeros(batch, dtype=torch.long, device=device), [0] * batch
+    if attention_mask.dim() != 2:
+        raise UnsupportedError(
+            f"OasisCache needs the 2-D padding mask of the 'oasis' mask function, got shape "
+            f"{tuple(attention_mask.shape)}; call oasis_hf.register() before generating"
+        )
+    mask = attention_mask[:, -length:].to(device=device, dtype=torch.bool)
+    first = mask.int().argmax(dim=-1)
+    left = mask.sum(-1) == length - first
+    pads, ok = torch.stack([first, left.long()]).tolist()
+    if not all(ok):
+        raise UnsupportedError(
+            "OasisCache supports left padding only (real tokens contiguous at the end); set "
+            "tokenizer.padding_side = 'left'"
+        )
+    return first.long(), pads

@@ -1,0 +1,111 @@
+"""Block scores and the planned delta of one layer: the leaves a decode step, a selection job and a prefill call.
+
+- `block_scores`: every block's score with the shared rules (`score_blocks`: forced blocks +inf, non-blocks -inf,
+  the selection memory merged in) from the selector's rows, or from raw scores computed elsewhere;
+- `plan`: the table's plan of the capped delta (`plan_blocks`), counted in the statistics;
+- `block_mass` / `exact_block_mass`: exact softmax attention mass per block (the oracle, the prefill window, recall);
+- `measure_recall`: what share of that mass the resident blocks held (evaluation only: it synchronises).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from oasis_hf.cache.block_table import INF
+from oasis_hf.kernels import score_blocks, score_blocks_ref, use_triton
+
+if TYPE_CHECKING:
+    from oasis_hf.cache.layer import OasisLayer
+
+
+def block_scores(layer: OasisLayer, query: torch.Tensor, scale: float, start: torch.Tensor,
+                 num_tokens: int | None = None, raw: torch.Tensor | None = None,
+                 start_offset: int = 0) -> torch.Tensor:
+    """(B, H_kv, NB_cap) scores of `layer`'s blocks.
+
+    The view holds positions up to ``start + start_offset + num_tokens - 1`` (`start`: 0-d long tensor;
+    `num_tokens` defaults to the T of `query` (B, H_q, T, D), whose rows score the blocks). `raw` (B, H_kv,
+    NB_cap): scores of those rows computed elsewhere (the prefill window) instead of the selector's. With
+    `OasisConfig.score_decay` the scores of a selector that takes it (not `static` or `oracle`) are merged into
+    the layer's selection memory.
+    """
+    cfg = layer.config
+    selector = layer.cache.selector
+    if raw is None and selector.scoring == "custom":
+        raw = selector.score(layer, query, scale)
+    score = score_blocks if use_triton(query, cfg.kernel_backend) else score_blocks_ref
+    return score(
+        query, layer.summaries.data, raw, layer.score_memory, layer.kv_start, start, scale,
+        kind=layer.summaries.kind, source="raw" if raw is not None else selector.scoring,
+        num_tokens=query.shape[2] if num_tokens is None else num_tokens, block_size=cfg.block_size,
+        sink_blocks=cfg.sink_blocks, recent_blocks=cfg.recent_blocks,
+        decay=cfg.score_decay if selector.window_and_memory else 0.0, start_offset=start_offset,
+    )  # fmt: skip
+
+
+def plan(layer: OasisLayer, scores: torch.Tensor, max_fetch: int | None, count: bool = True):
+    """`BlockTable.plan` of `layer`'s table with its kernel backend: ``(blocks, slots, valid)``; `count`: add the
+    fetched blocks to the statistics."""
+    fetched = layer.cache.stats.counters(layer.device)[1:2] if count else None
+    return layer.table.plan(scores, max_fetch, layer.config.kernel_backend, fetched)
+
+
+def token_ok(layer: OasisLayer, block_ids: torch.Tensor, end) -> torch.Tensor:
+    """(B, 1, n, BS) bool for blocks `block_ids` (n,): the token is real (not padding) and written (< end)."""
+    bs = layer.config.block_size
+    pos = (block_ids[:, None] * bs + layer.arange(bs)).view(1, 1, -1, bs)
+    return (pos < end) & (pos >= layer.kv_start.view(-1, 1, 1, 1))
+
+
+def block_mass(query: torch.Tensor, keys: torch.Tensor, scale: float, q_pos: torch.Tensor, kv_start: torch.Tensor,
+               block_size: int, capacity_blocks: int) -> torch.Tensor:
+    """Exact causal softmax attention mass per block, summed over a GQA group's query rows.
+
+    query : (B, H_q, T, D) at positions `q_pos` (T,); keys : (B, H_kv, N, D) positions ``0 .. N-1``; kv_start : (B,)
+    first real key (left padding). Returns (B, H_kv, capacity_blocks) float32, zero past the last block.
+    """
+    batch, _, num_tokens, head_dim = query.shape
+    num_kv_heads, length = keys.shape[1], keys.shape[2]
+    q = query.float().reshape(batch, num_kv_heads, -1, head_dim)  # rows ordered (g, t)
+    logits = torch.einsum("bhmd,bhnd->bhmn", q, keys.float()) * scale
+    key_pos = torch.arange(length, device=keys.device)
+    rows_pos = q_pos.repeat(q.shape[2] // num_tokens)
+    allowed = (key_pos[None, :] <= rows_pos[:, None])[None, None] & (key_pos >= kv_start.view(-1, 1, 1, 1))
+    probs = torch.softmax(logits.masked_fill(~allowed, -INF), dim=-1).nan_to_num(0.0).sum(2)
+    num_blocks = -(-length // block_size)
+    probs = torch.nn.functional.pad(probs, (0, num_blocks * block_size - length))
+    mass = probs.view(batch, num_kv_heads, num_blocks, block_size).sum(-1)
+    return torch.nn.functional.pad(mass, (0, capacity_blocks - num_blocks))
+
+
+def exact_block_mass(layer: OasisLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
+    """(B, H_kv, NB_cap): exact softmax attention mass of `query` per block of `layer`, from the full keys on host."""
+    if layer.writeback_event is not None:
+        layer.writeback_event.synchronize()
+    keys = layer.cache.host.read_keys(layer.layer_idx, layer.length).to(layer.device)
+    num_tokens = query.shape[2]
+    q_pos = layer.length - num_tokens + torch.arange(num_tokens, device=layer.device)
+    return block_mass(query, keys, scale, q_pos, layer.kv_start, layer.config.block_size,
+                      layer.table.capacity_blocks)
+
+
+def measure_recall(layer: OasisLayer, query: torch.Tensor, scale: float) -> None:
+    """Exact attention of this step against what was resident when it ran, added to the cache's statistics
+    (synchronises; evaluation only)."""
+    if layer.device.type == "cuda":
+        torch.cuda.current_stream(layer.device).synchronize()  # the graph's host write-back has landed
+    mass = exact_block_mass(layer, query, scale)  # (B, H_kv, NB_cap), rows summed
+    num_slots = layer.config.budget_blocks
+    resident = layer.table.slot_block[..., :num_slots]
+    held = torch.where(resident >= 0, mass.gather(-1, resident.clamp(min=0)), 0.0)
+    mass_recall = (held.sum(-1) / mass.sum(-1).clamp_min(1e-30)).mean()
+    top_mass, top = mass.topk(min(num_slots, mass.shape[-1]), dim=-1)
+    wanted = top_mass > 0
+    hit = (top[..., :, None] == resident[..., None, :]).any(-1) & wanted
+    topk_recall = (hit.sum(-1) / wanted.sum(-1).clamp_min(1)).float().mean()
+    stats = layer.cache.stats
+    stats.recall_steps += 1
+    stats.mass_recall_sum += float(mass_recall)
+    stats.topk_recall_sum += float(topk_recall)
