@@ -19,6 +19,12 @@ def _is_int(value: Any) -> bool:
 SUMMARY_KINDS = ("mean", "minmax", "mean+minmax")
 
 
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks of `block_size` tokens that hold `tokens` tokens: ``ceil(tokens / block_size)``, the one place the
+    block geometry rounds up."""
+    return -(-tokens // block_size)
+
 @dataclass(frozen=True)
 class OasisConfig:
     """How an `OasisCache` splits the KV cache between host memory and the GPU.
@@ -285,6 +291,10 @@ class OasisConfig:
     def recent_blocks(self) -> int:
         """Always-resident blocks at the end: the recent window plus the partially filled last block."""
         return self.recent_tokens // self.block_size + 1
+
+    def blocks(self, tokens: int) -> int:
+        """Blocks that hold positions ``0 .. tokens - 1`` (the last one possibly partial)."""
+        return blocks_for(tokens, self.block_size)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

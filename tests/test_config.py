@@ -81,3 +81,8 @@ def test_a_cache_names_the_argument_it_expected():
     with pytest.raises(TypeError, match="must be an OasisConfig.*got dict"):
         OasisCache(model.config, {"budget_tokens": 1024})
     assert OasisCache(model.config, budget_tokens=1024).config.budget_tokens == 1024
+
+
+def test_block_geometry_rounds_up_in_one_place():
+    cfg = OasisConfig(block_size=32)
+    assert [cfg.blocks(n) for n in (0, 1, 32, 33, 64, 65)] == [0, 1, 1, 2, 2, 3]

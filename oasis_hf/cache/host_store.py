@@ -21,6 +21,7 @@ import psutil
 import torch
 
 from oasis_hf.cache.pinned import PinnedBuffer, PinnedPool
+from oasis_hf.config import blocks_for
 from oasis_hf.errors import HostMemoryError
 from oasis_hf.kernels import copy_rows, gather_blocks, gather_blocks_ref, write_tokens
 
@@ -138,10 +139,10 @@ class HostKVStore:
         """Make room for `num_tokens` tokens per sequence in every layer, and for `reserve_tokens` (a planned length:
         all of it now, or a `HostMemoryError` saying what fits); returns True if the store grew. Growth prefers
         half the current size at once, and takes only what is required when that preference does not fit."""
-        needed = -(-num_tokens // self.block_size)
+        needed = blocks_for(num_tokens, self.block_size)
         if needed <= self.capacity_blocks:
             return False
-        required = max(needed - self.capacity_blocks, -(-reserve_tokens // self.block_size) - self.capacity_blocks)
+        required = max(needed, blocks_for(reserve_tokens, self.block_size)) - self.capacity_blocks
         preferred = max(required, self.growth_blocks, self.capacity_blocks // 2) if self.capacity_blocks else required
         try:
             self._allocate_segment(preferred)
@@ -318,7 +319,7 @@ class HostKVStore:
         after the write-back of those rows); otherwise plain copies."""
         device = torch.device(device)
         bs, batch, heads = self.block_size, self.batch_size, self.num_kv_heads
-        nb = -(-num_tokens // bs)
+        nb = blocks_for(num_tokens, bs)
         shape = (batch, heads, nb, bs, self.head_dim)
         out_k = torch.empty(shape, dtype=self.dtype, device=device)
         out_v = torch.empty(shape, dtype=self.dtype, device=device) if values else None

@@ -152,7 +152,7 @@ class OasisLayer(CacheLayerMixin):
             # A prefill chunk (more than dense_chunk_tokens new tokens, or more new blocks than the budget holds)
             # attends exactly over the whole sequence read back from host; shorter forwards (decode, draft
             # verification) take the sparse step.
-            forced = cfg.sink_blocks + max(cfg.recent_blocks, -(-end // cfg.block_size) - start // cfg.block_size)
+            forced = cfg.sink_blocks + max(cfg.recent_blocks, cfg.blocks(end) - start // cfg.block_size)
             chunk = forced > cfg.budget_blocks or end - start > cfg.dense_chunk_tokens
         self.cache.reserve(end)
         # A forward that will run as a captured graph writes its rows to host inside the graph; anything else
@@ -195,7 +195,7 @@ class OasisLayer(CacheLayerMixin):
         if self.length == 0:
             self.reset()
             return
-        self.table.drop_from(-(-self.length // self.config.block_size))
+        self.table.drop_from(self.config.blocks(self.length))
 
     def reset(self) -> None:
         self.jobs.await_job()

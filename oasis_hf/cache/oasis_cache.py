@@ -155,7 +155,7 @@ class OasisCache(Cache):
                 pin=pin, headroom_bytes=cfg.host_memory_headroom_bytes, growth_tokens=cfg.host_growth_tokens,
                 limit_bytes=cfg.host_memory_limit_bytes, pool=self.host_pool,
             )  # fmt: skip
-        if -(-num_tokens // self.config.block_size) > self.host.capacity_blocks:
+        if self.config.blocks(num_tokens) > self.host.capacity_blocks:
             self.wait()  # growing replaces the block maps that outstanding selection jobs still update
         reserve = max(self.config.host_capacity_tokens or 0, self._planned_tokens)
         if self.host.ensure_capacity(num_tokens, reserve_tokens=reserve):

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from oasis_hf.cache.scoring import block_mass, block_scores, plan, token_ok
+from oasis_hf.config import blocks_for
 from oasis_hf.errors import UnsupportedError
 from oasis_hf.kernels.dense import dense_attention
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 def _blocks(layer: OasisLayer, keys: torch.Tensor, values: torch.Tensor, end: int):
     """`keys`/`values` (B, H_kv, end, D) padded to whole blocks: (B, H_kv, NB, BS, D) each, and NB."""
     bs = layer.config.block_size
-    num_blocks = -(-end // bs)
+    num_blocks = blocks_for(end, bs)
     pad = num_blocks * bs - end
     blocks_k = torch.nn.functional.pad(keys, (0, 0, 0, pad)).view(
         layer.batch_size, layer.num_kv_heads, num_blocks, bs, layer.head_dim

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from oasis_hf.cache.block_table import INF
+from oasis_hf.config import blocks_for
 from oasis_hf.kernels import score_blocks, score_blocks_ref, use_triton
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ def block_mass(query: torch.Tensor, keys: torch.Tensor, scale: float, q_pos: tor
     rows_pos = q_pos.repeat(q.shape[2] // num_tokens)
     allowed = (key_pos[None, :] <= rows_pos[:, None])[None, None] & (key_pos >= kv_start.view(-1, 1, 1, 1))
     probs = torch.softmax(logits.masked_fill(~allowed, -INF), dim=-1).nan_to_num(0.0).sum(2)
-    num_blocks = -(-length // block_size)
+    num_blocks = blocks_for(length, block_size)
     probs = torch.nn.functional.pad(probs, (0, num_blocks * block_size - length))
     mass = probs.view(batch, num_kv_heads, num_blocks, block_size).sum(-1)
     return torch.nn.functional.pad(mass, (0, capacity_blocks - num_blocks))

@@ -19,7 +19,7 @@ import torch
 
 from oasis_hf.cache.layer import GRAPH_MAX_TOKENS
 from oasis_hf.cache.oasis_cache import OasisCache
-from oasis_hf.config import OasisConfig
+from oasis_hf.config import OasisConfig, blocks_for
 from oasis_hf.errors import RemoteTierError, UnsupportedError
 from oasis_hf.remote.mooncake import MooncakeTier
 from oasis_hf.remote.store import RemoteBlockStore, block_key, meta_key, state_key
@@ -50,7 +50,7 @@ def publish(cache: OasisCache, tier: MooncakeTier, request: str, extra: dict[str
     host, cfg = cache.host, cache.config
     bs = cfg.block_size
     length = layers[0].length
-    num_blocks = -(-length // bs)
+    num_blocks = blocks_for(length, bs)
     written = 0
     for layer in layers:
         idx = layer.layer_idx
@@ -146,11 +146,11 @@ def attach(model_config, tier: MooncakeTier, request: str, device: torch.device 
     if meta["layers"] != layer_ids:
         raise UnsupportedError(f"request {request!r} has layers {sorted(meta['layers'])}, the model {layer_ids}")
     bs, length = config.block_size, meta["length"]
-    num_blocks = -(-length // bs)
+    num_blocks = blocks_for(length, bs)
     max_fetch = config.max_fetch_blocks or config.budget_blocks
     if hot_blocks is None:
         hot_blocks = max(2 * max_fetch * len(layer_ids), max_fetch * meta["batch_size"] * meta["num_kv_heads"])
-    ring = config.recent_blocks + -(-GRAPH_MAX_TOKENS // bs) + 2
+    ring = config.recent_blocks + blocks_for(GRAPH_MAX_TOKENS, bs) + 2
     pin = config.pin_host_memory if config.pin_host_memory is not None else device.type == "cuda"
     dtype = getattr(torch, meta["dtype"])
     cache.host = RemoteBlockStore(

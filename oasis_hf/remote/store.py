@@ -27,6 +27,7 @@ import time
 import torch
 
 from oasis_hf.cache.pinned import PinnedBuffer
+from oasis_hf.config import blocks_for
 from oasis_hf.errors import UnsupportedError
 from oasis_hf.kernels import copy_rows, copy_rows_ref
 from oasis_hf.remote.mooncake import MooncakeTier
@@ -121,7 +122,7 @@ class RemoteBlockStore:
         return self._buffer.data.numel()
 
     def ensure_capacity(self, num_tokens: int, reserve_tokens: int = 0) -> bool:
-        needed = -(-max(num_tokens, reserve_tokens) // self.block_size)
+        needed = blocks_for(max(num_tokens, reserve_tokens), self.block_size)
         if needed <= self.capacity_blocks:
             return False
         self.capacity_blocks = max(needed, self.capacity_blocks + self.capacity_blocks // 2)
