@@ -129,11 +129,11 @@ class _FixedCache(Cache):
         self.max_len = max_len
         self.length = 0  # host mirror of `position`
         self.position = torch.zeros((), dtype=torch.long, device=device)  # where the next token is written
-        self._ids = torch.arange(max_len, device=device)
+        self.ids = torch.arange(max_len, device=device)  # (max_len,) positions
         super().__init__(layers=[_FixedLayer(self) for _ in range(num_layers)])
 
     def write_index(self, num_tokens: int) -> torch.Tensor:
-        return self.position + self._ids[:num_tokens]
+        return self.position + self.ids[:num_tokens]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
@@ -214,7 +214,7 @@ class GraphedDraft:
 
     def _forward_one(self) -> torch.Tensor:
         """The step: mask and positions from device state, one-token forward, counters advanced; (B, V) float."""
-        visible = self.real_ok & (self.cache._ids <= self.cache.position)  # (B, N): real and not in the future
+        visible = self.real_ok & (self.cache.ids <= self.cache.position)  # (B, N): real and not in the future
         out = self.model(input_ids=self.token, attention_mask=visible[:, None, None, :],
                          position_ids=self.real[:, None], use_cache=True, logits_to_keep=1,
                          **{self.kwarg: self.cache})

@@ -93,7 +93,7 @@ class OasisCache(Cache):
         self.host_pool = host_pool
         self._host_returned = False  # closed with a pool: the host memory went back to it
         self.stats = OasisStats()
-        self.stats._drain = weakref.WeakMethod(self.wait)
+        self.stats.drain = weakref.WeakMethod(self.wait)
         self._writeback_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._capture_streams: dict[tuple[torch.device, bool], torch.cuda.Stream] = {}
         self._prefetchers: dict[torch.device, Prefetcher] = {}

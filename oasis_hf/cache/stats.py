@@ -30,8 +30,9 @@ class OasisStats:
     mass_recall_sum: float = 0.0
     topk_recall_sum: float = 0.0
     _counts: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)  # [prefilled, fetched]
-    #: Waits for outstanding jobs: a weak reference to the cache's `wait` (the stats must not keep the cache alive).
-    _drain: weakref.WeakMethod | None = field(default=None, repr=False)
+    #: Waits for outstanding jobs: a weak reference to the cache's `wait` (the stats must not keep the cache alive),
+    #: set by the cache that owns these statistics.
+    drain: weakref.WeakMethod | None = field(default=None, repr=False)
 
     def counters(self, device: torch.device) -> torch.Tensor:
         """The (2,) int64 counter tensor on `device`, created on first use (call it outside graph capture)."""
@@ -50,9 +51,9 @@ class OasisStats:
 
     def summary(self) -> dict[str, float]:
         """Plain numbers; outstanding selection jobs are waited for first, so their fetches are counted."""
-        drain = self._drain() if self._drain is not None else None
-        if drain is not None:
-            drain()
+        wait = self.drain() if self.drain is not None else None
+        if wait is not None:
+            wait()
         totals = [0, 0]
         for counts in self._counts.values():
             for i, value in enumerate(counts.tolist()):
