@@ -23,6 +23,11 @@ sequence, `oasis_hf.cli.passkey_prompt` with a seed per sequence):
   CUDA graph replays (`oasis_hf.draft.GraphedDraft`), one more row runs them eagerly to show what that buys, and
   one runs the target's verify forwards as whole-model graphs too (`oasis_hf.DecodeGraph`, ``target_graphs``).
 
+OasisKV rows take their pinned host store from one `oasis_hf.PinnedPool` shared by the run (``--host-pool shared``,
+the default: what lm-eval's ``oasis`` model and a server do; the warm-up pins it), as dense graphed's buffers come
+from PyTorch's caching allocator; ``--host-pool none`` page-locks it in every call (up to a few tenths of a second
+at 16k that the prefill cannot hide).
+
 Reported per row: seconds (prefill included), new tokens/s over the batch, the time to the first token and the
 decode tokens/s after it (rows through ``model.generate`` and dense graphed), the ratio to greedy DynamicCache at the
 same batch, draft acceptance, whether the output equals greedy DynamicCache's, and how many pass keys came out.
@@ -57,6 +62,7 @@ def batch_prompts(tokenizer, context: int, batch: int, device) -> tuple[dict, li
     return tokenizer(list(prompts), return_tensors="pt", padding=True).to(device), list(keys)
 
 
+HOST_POOL = {"shared": "one PinnedPool shared by the run", "none": "a buffer page-locked afresh in every call"}
 KINDS = ["greedy", "greedy-graphs", "generate-oasis", "dense-graphed", "generate-oasis-compiled",
          "dense-graphed-compiled", "assisted", "speculative", "speculative-target-graphs", "speculative-eager-draft"]
 
@@ -122,6 +128,9 @@ def main() -> None:
                         help="speculative_generate's draft_schedule (its default with a draft model: adaptive)")
     parser.add_argument("--kinds", nargs="+", default=None, choices=KINDS,
                         help="rows to run besides the greedy DynamicCache baseline (default: all)")
+    parser.add_argument("--host-pool", choices=["shared", "none"], default="shared",
+                        help="shared: every OasisCache takes its pinned host store from one PinnedPool (as lm-eval's "
+                             "model and a server reuse it; the warm-up pins it), none: each call page-locks afresh")
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -131,6 +140,7 @@ def main() -> None:
     draft = models.load(args.draft, device=device, dtype=model.dtype)[0]
     oasis_hf.enable(model)  # dense caches still get dense attention: only OasisCache layers take the oasis path
     n = args.new_tokens
+    pool = oasis_hf.PinnedPool() if args.host_pool == "shared" else None
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def cfg(selector, kind=""):
@@ -185,7 +195,7 @@ def main() -> None:
                     generate(kind, None)
                     continue
                 try:  # a path that fails here fails again in its timed row, which records the error
-                    with oasis_hf.OasisCache(model.config, cfg(selector, kind)) as cache:
+                    with oasis_hf.OasisCache(model.config, cfg(selector, kind), host_pool=pool) as cache:
                         generate(kind, cache)
                 except Exception as exc:  # noqa: BLE001
                     logger.error("warm-up of %s failed: %r", kind, exc)
@@ -217,7 +227,7 @@ def main() -> None:
             variants = variants[:1] + [v for v in variants[1:] if v[1] in args.kinds]
         batch_rows = []
         for label, kind, selector in variants:
-            cache = oasis_hf.OasisCache(model.config, cfg(selector, kind)) if selector else None
+            cache = oasis_hf.OasisCache(model.config, cfg(selector, kind), host_pool=pool) if selector else None
             batch_rows.append(run_row(label, lambda: generate(kind, cache), inputs, tokenizer, keys, n))  # noqa: B023
             if cache is not None:
                 cache.close()
@@ -247,7 +257,7 @@ def report(args, model, rows: list[dict], final: bool) -> None:
               f" target {args.model} ({next(model.parameters()).dtype}), draft {args.draft}; pass-key prompts of about "
               f"{args.context} tokens, {args.new_tokens} greedy tokens per sequence, at most {args.drafts} drafts per "
               f"round ({args.draft_schedule} schedule); "
-              f"budget {args.budget}; `{env['command']}`\n\n")
+              f"budget {args.budget}; OasisKV host store from {HOST_POOL[args.host_pool]}; `{env['command']}`\n\n")
     columns = ["method", "batch", "seconds", "new tokens/s", "TTFT s", "decode tokens/s", "vs greedy DynamicCache",
                "draft acceptance",
                "drafts per round", "draft ms/round", "verify ms/round", "accept + crop ms/round",

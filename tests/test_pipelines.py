@@ -22,6 +22,7 @@ def test_two_prompts_in_one_call_equal_two_dense_runs():
     # and again: nothing leaks from one call to the next (a fresh cache per call)
     again = pipe(prompts[::-1], max_new_tokens=12, do_sample=False)
     assert [g[0]["generated_text"] for g in again] == expected[::-1]
+    assert pipe.host_pool.reused > 0  # the later calls took the host buffer the first one returned
 
 
 def test_draft_model_through_the_pipeline():
