@@ -97,10 +97,11 @@ class OasisConfig:
         How a background job reaches its CUDA stream: ``"caller"`` (default) launches a job captured as a CUDA graph
         from the calling thread straight onto the prefetch stream (one graph launch, no thread hand-off; eager jobs,
         e.g. on the CPU or before a job graph exists, still go to the worker thread); ``"thread"`` hands every job
-        to the worker thread. With the one-launch plan kernel (job graphs of ~40 nodes instead of ~140) the H200
-        measured 27.3 ms per decode step with ``"caller"`` against 47.0 ms with ``"thread"`` (batch 8, 32k, run 4,
-        `eval/results/lookahead_decode_8b_b8_32k_run4.md`); before it, with ~140-node job graphs, the order was
-        reversed (44.7 against 30.9 ms, run 2), because launching the larger graph blocked the caller.
+        to the worker thread. On the per-layer path (the model's eager modules around per-layer graphs, batch 8 at
+        32k on the 8B shape) the H200 measured 27.3 ms per decode step with ``"caller"`` against 47.0 ms with
+        ``"thread"`` (`eval/results/lookahead_decode_8b_b8_32k_run4.md`): a job graph of ~40 nodes launches in
+        microseconds. Inside the whole-step graph (`whole_step`) jobs are forked in the graph and this does not
+        apply.
     prefetch_policy : str
         What a step does when its layer's selection job is still running: ``"wait"`` (default: wait for it, so the
         selection never depends on timing) or ``"stale"`` (run on the blocks already resident, count a stale step,
