@@ -73,6 +73,32 @@ def test_whole_step_path_equals_ordinary_decoding(family, selector):
     assert stats["decode_layer_steps"] == 20 * 2
 
 
+@pytest.mark.gpu
+def test_compiled_whole_step_graphs_verify_drafts_on_cuda():
+    """compile_model with speculative verification: forwards of several T (a captured graph each, every T warmed
+    up twice before its capture, so no capture compiles) give the tokens of the uncompiled whole-step path."""
+    import torch._dynamo
+    from torch._inductor.async_compile import shutdown_compile_workers
+
+    torch._dynamo.reset()
+    target = tiny_model("llama", layers=2, attn="oasis", device="cuda")
+    ids, mask = left_padded([200, 150, 180], seed=4)
+    ids, mask = ids.cuda(), mask.cuda()
+    outs = []
+    try:
+        for compiled in (False, True):
+            with oasis_cache(target, selector="lookahead", compile_model=compiled, **SMALL) as cache:
+                outs.append(speculative_generate(target, tiny_model("qwen2", layers=1, device="cuda"), ids, mask,
+                                                 cache=cache, max_new_tokens=24, num_draft_tokens=3,
+                                                 target_graphs=True).sequences)
+                if compiled:
+                    assert cache.stats.graph_replays > 0
+    finally:
+        torch._dynamo.reset()
+        shutdown_compile_workers()
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_speculative_rounds_through_decode_graph_equal_the_plain_loop():
     """Verify forwards of T = k + 1 through a DecodeGraph, cropped after each round: the same tokens as the plain
     loop with inline jobs (budget below the context, lookahead jobs in every layer). Inline, because with the worker
