@@ -281,8 +281,10 @@ def decode_generate(
 
     The greedy tokens are those of ``model.generate(input_ids, attention_mask=..., past_key_values=<an OasisCache of
     the same config>, do_sample=False)``; what changes is the host work per step (one launch instead of the model's
-    eager modules), which at batch 8 is most of an OasisKV step. Greedy or sampling at `temperature`; no stop
-    strings (callers that need them cut the text afterwards, as lm-eval does).
+    eager modules), which at batch 8 is most of an OasisKV step, and each step is queued before the previous one's
+    EOS check reads the device (without EOS ids nothing is read back until the end), so the host's work hides
+    behind the GPU's. Greedy or sampling at `temperature`; no stop strings (callers that need them cut the text
+    afterwards, as lm-eval does).
 
     Parameters
     ----------
@@ -319,8 +321,14 @@ def decode_generate(
         token = torch.where(finished, pad, token)
         new.append(token)
         finished = finished | torch.isin(token, eos)
-        if step + 1 == max_new_tokens or bool(finished.all()):
+        if step + 1 == max_new_tokens:
             break
+        # The next step is queued before this one's EOS check reads the device, so the host's work for a step (its
+        # launches, the check) overlaps the GPU's previous step instead of idling it. A step run after every
+        # sequence ended is dropped from the cache again.
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         logits = runner(token[:, None], positions(mask, 1))
+        if len(eos) and bool(finished.all()):
+            cache.crop(-1)
+            break
     return torch.cat([input_ids, torch.stack(new, dim=1)], dim=1)

@@ -200,6 +200,15 @@ def test_decode_generate_equals_generate_on_the_same_cache_config(selector, devi
         out = oasis_hf.decode_generate(model, ids, mask, cache=cache, max_new_tokens=16, eos_token_id=extra,
                                        pad_token_id=0)
     assert torch.equal(out, ref)
+    # Every sequence ends by its sixth token: the loop stops there, and the step it queued before it saw that is
+    # dropped again (the cache holds the prompt and every new token but the last, as after generate).
+    every = eos + [int(t) for t in ref[:, ids.shape[1] + 5]]
+    ref = reference(every)
+    with oasis_cache(model, **fields) as cache:
+        out = oasis_hf.decode_generate(model, ids, mask, cache=cache, max_new_tokens=16, eos_token_id=every,
+                                       pad_token_id=0)
+        assert out.shape[1] < ids.shape[1] + 16 and cache.get_seq_length() == out.shape[1] - 1
+    assert torch.equal(out, ref)
 
 
 def test_decode_generate_refuses_bad_input():
