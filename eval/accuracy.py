@@ -15,7 +15,7 @@ about 30,000 requests) is completed over several sessions, and ``--lengths/--bud
 On CUDA the OasisKV rows decode through whole-model CUDA graphs (`oasis_hf.decode_generate`, or
 ``speculative_generate(target_graphs=True)`` with drafts: the same greedy tokens as ``generate``, tested, at a fraction
 of the host time per step), and the kvpress rows decode their compressed cache with each step a CUDA graph
-(`oasis_hf.integrations.static_decode.greedy_continue`, after kvpress's compressed prefill); ``--eager`` uses
+(`eval.static_decode.greedy_continue`, after kvpress's compressed prefill); ``--eager`` uses
 transformers' ``generate`` for both instead. Dense rows always use ``generate``.
 
 ``--parts N`` runs the preset as N worker processes (worker K on GPU K modulo the GPUs there are) that claim rows from a

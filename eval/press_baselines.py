@@ -39,10 +39,10 @@ import itertools
 import torch
 from transformers import DynamicCache
 
+from eval.static_decode import greedy_continue
 from oasis_hf import compat
 from oasis_hf.errors import UnsupportedError
 from oasis_hf.integrations.lm_eval import OasisLM
-from oasis_hf.integrations.static_decode import greedy_continue
 
 PROTOCOLS = ("query-agnostic", "query-aware", "whole-prompt")
 #: The answer cue every suite prompt ends with (``oasis_hf.tasks.ruler``); the question is the line before it.

@@ -5,7 +5,7 @@ import ast
 from pathlib import Path
 
 EVAL = Path(__file__).resolve().parents[1] / "eval"
-SHARED = {"_common", "_harness", "plot", "dense_baselines", "press_baselines"}
+SHARED = {"_common", "_harness", "plot", "dense_baselines", "press_baselines", "static_decode"}
 
 
 def eval_imports() -> dict[str, set[str]]:

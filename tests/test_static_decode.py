@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from eval.static_decode import greedy_continue
 from oasis_hf import compat
 from oasis_hf.errors import UnsupportedError
-from oasis_hf.integrations.static_decode import greedy_continue
 from tests._factories import tiny_model
 
 
