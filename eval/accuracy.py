@@ -3,7 +3,7 @@
     python -m eval.accuracy --preset cpu-smollm2-2k-quick --out eval/results/accuracy_cpu_smollm2_2k_quick  # ~6 min
     python -m eval.accuracy --preset cpu-smollm2-2k --out eval/results/accuracy_cpu_smollm2_2k
 
-Generates the suite (`oasis_hf.tasks`) for the preset's model tokenizer, loads the model once, and runs every
+Generates the suite (`eval.tasks`) for the preset's model tokenizer, loads the model once, and runs every
 (length, method, budget, task) through ``lm_eval.simple_evaluate`` with the ``oasis`` model (`OasisLM`), so all
 methods see the same prompts under the same harness. Writes, after every task, a markdown table (the suite average
 per method and budget over the lengths measured, then every (length, method, budget) row per task, 0-100) and JSON;
@@ -55,8 +55,8 @@ import torch
 from eval._common import code_identity, environment, markdown_table, result_path, write_results
 from eval._harness import yarn_context
 from eval.plot import plot_accuracy
+from eval.tasks import TASKS, relocate_suite, write_suite
 from oasis_hf import models
-from oasis_hf.tasks import TASKS, relocate_suite, write_suite
 
 logger = logging.getLogger("eval.accuracy")
 
@@ -278,7 +278,7 @@ def cached_suite(tokenizer, model_name: str, lengths: list[int], samples: int) -
     import hashlib
     import inspect
 
-    from oasis_hf.tasks import ruler
+    from eval.tasks import ruler
 
     folders = []
     for length in sorted(set(lengths)):

@@ -4,7 +4,7 @@ replays on random-weight shapes (whose random attention moves the `max_fetch_blo
     python -m eval.delta_rate --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
         --context 16384 --tasks recall_list qa --new-tokens 64 --out eval/results/delta_rate_qwen1.5b_16k
 
-Each prompt (a task of the RULER-style suite, `oasis_hf.tasks.ruler`) is decoded greedily with the lookahead
+Each prompt (a task of the RULER-style suite, `eval.tasks.ruler`) is decoded greedily with the lookahead
 selector under the decode benchmark's OasisKV configuration (the library defaults, budget 2048), twice: plain
 decoding (one token per forward: the previous query scores) and `oasis_hf.speculative_generate` with the draft
 model (the target's queries at the draft positions score). Reported per row: blocks fetched per (sequence, KV head)
@@ -23,8 +23,8 @@ import torch
 
 import oasis_hf
 from eval._common import code_identity, finish, markdown_table
+from eval.tasks import ruler
 from oasis_hf import models
-from oasis_hf.tasks import ruler
 
 logger = logging.getLogger("eval.delta_rate")
 

@@ -45,7 +45,7 @@ from oasis_hf.errors import UnsupportedError
 from oasis_hf.integrations.lm_eval import OasisLM
 
 PROTOCOLS = ("query-agnostic", "query-aware", "whole-prompt")
-#: The answer cue every suite prompt ends with (``oasis_hf.tasks.ruler``); the question is the line before it.
+#: The answer cue every suite prompt ends with (``eval.tasks.ruler``); the question is the line before it.
 CUE = "Answer:"
 #: Tokens at the prompt's end that `question_split` decodes first (the suite's question and cue take under 100).
 TAIL_TOKENS = 512

@@ -28,10 +28,10 @@ from transformers import DynamicCache
 from eval._common import code_identity, environment, finish, markdown_table
 from eval.press_baselines import make_press, press_prefill
 from eval.static_decode import greedy_continue
+from eval.tasks import TASKS
+from eval.tasks.ruler import generate as task_samples
+from eval.tasks.ruler import string_match_all
 from oasis_hf import compat, models
-from oasis_hf.tasks import TASKS
-from oasis_hf.tasks.ruler import generate as task_samples
-from oasis_hf.tasks.ruler import string_match_all
 
 logger = logging.getLogger("eval.press_question")
 

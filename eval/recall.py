@@ -33,11 +33,11 @@ import torch
 import oasis_hf
 from eval._common import code_identity, environment, markdown_table, write_results
 from eval.plot import plot_recall
+from eval.tasks import TASKS
+from eval.tasks.ruler import generate as task_samples
+from eval.tasks.ruler import string_match_all
 from oasis_hf import models
 from oasis_hf.cli import greedy_text, passkey_prompt
-from oasis_hf.tasks import TASKS
-from oasis_hf.tasks.ruler import generate as task_samples
-from oasis_hf.tasks.ruler import string_match_all
 
 logger = logging.getLogger("eval.recall")
 
@@ -69,7 +69,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=12)
     parser.add_argument("--trials", type=int, default=1, help="prompts (different seeds) per budget")
     parser.add_argument("--task", default=None, choices=sorted(TASKS),
-                        help="prompts from this task of the accuracy suite (`oasis_hf.tasks`, at --context tokens; "
+                        help="prompts from this task of the accuracy suite (`eval.tasks`, at --context tokens; "
                              "'found' is then its score 0-1) instead of the pass-key prompt")
     parser.add_argument("--methods", nargs="+", default=None, help="labels (or label prefixes) to run; default all")
     parser.add_argument("--loops", nargs="+", default=None, choices=sorted(LOOPS),

@@ -5,13 +5,13 @@ import ast
 from pathlib import Path
 
 EVAL = Path(__file__).resolve().parents[1] / "eval"
-SHARED = {"_common", "_harness", "plot", "dense_baselines", "press_baselines", "static_decode"}
+SHARED = {"_common", "_harness", "plot", "dense_baselines", "press_baselines", "static_decode", "tasks"}
 
 
 def eval_imports() -> dict[str, set[str]]:
     """eval module -> the eval modules it imports (anywhere in the file: function-level imports count)."""
     graph = {}
-    for path in EVAL.glob("*.py"):
+    for path in [*EVAL.glob("*.py"), *EVAL.glob("*/*.py")]:  # scripts and shared modules, shared packages
         tree = ast.parse(path.read_text())
         names = set()
         for node in ast.walk(tree):
@@ -21,7 +21,8 @@ def eval_imports() -> dict[str, set[str]]:
                 names.update(alias.name for alias in node.names)
             elif isinstance(node, ast.Import):
                 names.update(a.name.split(".")[1] for a in node.names if a.name.startswith("eval."))
-        graph[path.stem] = names
+        module = path.stem if path.parent == EVAL else path.parent.name
+        graph[module] = graph.get(module, set()) | (names - {module})
     return graph
 
 

@@ -69,7 +69,7 @@ def test_accuracy_parts_claim_each_row_once_and_merge(tmp_path):
     drops --parts, and a dotted --out keeps its name (accuracy_qwen_1.5b -> accuracy_qwen_1.5b.json)."""
     from eval.accuracy import claim, claims_dir, complete_row, merge_rows, part_path, summarize, worker_argv, worker_gpu
     from eval.plot import result_path
-    from oasis_hf.tasks import TASKS
+    from eval.tasks import TASKS
 
     out = tmp_path / "accuracy_qwen_1.5b"
     key = ("kvpress SnapKV (query-aware)", 512, 8192, "vt")
@@ -184,7 +184,7 @@ def test_accuracy_parts_merge_what_a_killed_run_left_before_starting_anew(tmp_pa
 
     from eval import accuracy
     from eval.plot import result_path
-    from oasis_hf.tasks import TASKS
+    from eval.tasks import TASKS
 
     names = list(TASKS)
     out = tmp_path / "acc"
@@ -259,7 +259,7 @@ def test_accuracy_merge_from_and_relabel(tmp_path, monkeypatch):
 
     from eval import accuracy
     from eval.plot import result_path
-    from oasis_hf.tasks import TASKS
+    from eval.tasks import TASKS
 
     names = list(TASKS)
     config = dict(accuracy.PRESETS["gpu-qwen-1.5b"])

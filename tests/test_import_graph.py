@@ -7,8 +7,8 @@ grimp = pytest.importorskip("grimp", reason="grimp is in the dev extra; `pip ins
 
 #: Highest first; the modules of one line are independent of each other.
 LAYERS = (
-    grimp.Layer("cli", "pipelines", "tasks"),  # entry points
-    "integrations",  # transformers and lm-eval glue: attention, fast path, capacity, static decode, lm-eval model
+    grimp.Layer("cli", "pipelines"),  # entry points
+    "integrations",  # transformers and lm-eval glue: attention, fast path, capacity, lm-eval model
     grimp.Layer("speculative", "remote"),
     "decode_graph",
     "draft",

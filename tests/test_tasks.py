@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from eval.tasks import TASKS, generate, process_results, relocate_suite, string_match_all, write_suite
 from oasis_hf import OasisError, UnsupportedError
-from oasis_hf.tasks import TASKS, generate, process_results, relocate_suite, string_match_all, write_suite
 from tests._factories import tiny_model, tiny_tokenizer
 
 
@@ -88,7 +88,7 @@ def test_a_copied_suite_is_pointed_at_its_own_data(tok, tmp_path, capsys):
     """The YAMLs name their data by absolute path (lm-eval resolves a relative one against the working directory),
     so a copy reads the original's files until `relocate_suite` rewrites them; a second call writes nothing, and a
     copy that lacks a data file is refused by name. `make --relocate` does the same from the command line."""
-    from oasis_hf.tasks import make
+    from eval.tasks import make
 
     original = write_suite(tmp_path / "a", tok, lengths=[300], num_samples=1, tasks=["niah_single", "qa"])
     copy = Path(shutil.copytree(original, tmp_path / "b"))

@@ -1,9 +1,9 @@
 """The lm-eval harness model ``oasis``: transformers generation with a fresh `OasisCache` per request batch.
 
 Registration is explicit (`register_lm_eval`); the command line below registers and then runs lm-eval's own CLI,
-so every lm-eval option works as usual:
+so every lm-eval option works as usual (the suite's generator is the lab's, in a source checkout):
 
-    python -m oasis_hf.tasks.make --out suite --lengths 8192 16384 --samples 50      # RULER-style tasks
+    python -m eval.tasks.make --out suite --lengths 8192 16384 --samples 50      # RULER-style tasks
     python -m oasis_hf.integrations.lm_eval --model oasis \\
         --model_args pretrained=qwen2.5-coder-1.5b-instruct,budget=2048,draft=qwen2.5-coder-0.5b-instruct \\
         --include_path suite --tasks oasis_ruler --batch_size 1

@@ -284,6 +284,6 @@ def write_suite(out_dir: str | Path, tokenizer, lengths: list[int], num_samples:
                     fh.write(json.dumps(sample) + "\n")
             (out / f"{name}.yaml").write_text(_YAML.format(name=name, data=data.resolve(), max_new=TASKS[task][1]))
             names.append(name)
-    (out / "utils.py").write_text("from oasis_hf.tasks.ruler import process_results  # noqa: F401\n")
+    (out / "utils.py").write_text("from eval.tasks.ruler import process_results  # noqa: F401\n")
     (out / f"{group}.yaml").write_text(_GROUP.format(group=group, tasks="\n".join(f"  - {n}" for n in names)))
     return out

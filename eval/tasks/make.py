@@ -1,4 +1,4 @@
-"""Write the RULER-style suite for lm-eval: ``python -m oasis_hf.tasks.make --out suite --lengths 8192 16384``.
+"""Write the RULER-style suite for lm-eval: ``python -m eval.tasks.make --out suite --lengths 8192 16384``.
 
 Lengths are counted with the tokenizer of ``--tokenizer`` (a packaged model name, a folder or a Hub id). The YAMLs
 name their data by absolute path; after copying or moving a suite folder, ``--relocate FOLDER`` points them at the
@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import logging
 
+from eval.tasks.relocate import relocate_suite
+from eval.tasks.ruler import TASKS, write_suite
 from oasis_hf import models
-from oasis_hf.tasks.relocate import relocate_suite
-from oasis_hf.tasks.ruler import TASKS, write_suite
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,7 +33,7 @@ def relocate_suite(folder: str | Path) -> Path:
         data = data_dir / Path(match[2]).name
         if not data.is_file():
             raise OasisError(f"suite {folder}: {yaml.name} reads {Path(match[2]).name}, which is not in {data_dir}; "
-                             "copy the whole suite folder, or write the suite again (python -m oasis_hf.tasks.make)")
+                             "copy the whole suite folder, or write the suite again (python -m eval.tasks.make)")
         if match[2] != str(data):
             yaml.write_text(text[: match.start(2)] + str(data) + text[match.end(2):])
     return folder
