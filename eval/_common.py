@@ -51,8 +51,8 @@ def environment() -> dict:
 def code_identity() -> dict:
     """``git_sha``, ``sources_differ_from_git_sha`` and ``source_sha256`` of the code this process runs, taken once
     per process: every benchmark's `main` calls it before any work, so sources edited during a long run (another
-    commit, a checkout) do not relabel what was measured (session 11: a 20-minute CPU run recorded a commit made
-    after it had started)."""
+    commit, a checkout) do not relabel what was measured (a long run would otherwise record a commit made after it
+    had started)."""
     identity = {}
     try:
         identity["git_sha"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

@@ -30,7 +30,8 @@ model as trained.
 kvpress presses run through kvpress's own API at the same KV size (`eval.press_baselines`): under kvpress's
 protocols, query-agnostic (the context compressed, the question and the answer cue prefilled after it) or query-aware
 (context and question compressed, the cue after them), the uncompressed tail counted inside the budget; SnapKV, AdaKV
-SnapKV, and expected attention both plain and as kvpress's benchmark registry runs it (AdaKV, epsilon 1e-2).
+SnapKV, expected attention both plain and as kvpress's benchmark registry runs it (AdaKV, epsilon 1e-2), and
+Compactor (query-agnostic, its design).
 kvpress 0.5.5 needs a transformers that passes ``past_key_values`` to attention modules (5.17 here; 5.18+ renamed
 it), and the runner says so instead of skipping the rows. Every row's table line gives the GPU memory its method
 keeps per sequence (`memory_columns`: the target's KV, OasisKV's summaries, the draft's KV) and the draft's weights.
@@ -70,8 +71,8 @@ logger = logging.getLogger("eval.accuracy")
 # Quest's per-channel bounds, their softmax shares averaged). Measured on the H200 at 8k tokens, budget 512
 # (`eval/results/accuracy_gpu_qwen_1.5b_variants_8k.md`): blocks of 16 instead of 32 took the suite average from 71.7
 # to 83.7, the window and memory on top to 84.3; both summaries instead of mean keys took it to 86.0 (16k: 81.0 to
-# 83.1; @2048 within 0.2 of mean keys at both lengths; session 13). The "block 32" and "mean summaries" rows keep what
-# earlier sessions ran.
+# 83.1; @2048 within 0.2 of mean keys at both lengths). The "block 32" and "mean summaries" rows keep the settings
+# of the earlier runs.
 SELECTION = dict(block_size=16, prefill_window_tokens=32, score_decay=0.9, summary="mean+minmax")
 BLOCK_32 = dict(block_size=32, prefill_window_tokens=0, score_decay=0.0)
 METHODS = {
@@ -95,13 +96,16 @@ METHODS = {
         press="AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))", protocol="query-agnostic", batch_size=1),
     "kvpress expected attention (query-aware)": dict(press="ExpectedAttentionPress", protocol="query-aware",
                                                      batch_size=1),
+    # Compactor (Chari & Van Durme 2025: leverage scores of the keys blended with non-causal chunked attention), the
+    # query-agnostic leader kvpress 0.5.5 ships that runs here (KVzip needs its tokenizer from the Hub).
+    "kvpress Compactor (query-agnostic)": dict(press="CompactorPress", protocol="query-agnostic", batch_size=1),
     # The whole prompt compressed, answer cue included: not a kvpress protocol; the rows of earlier runs.
     "kvpress SnapKV (whole prompt)": dict(press="SnapKVPress", protocol="whole-prompt", batch_size=1),
     "kvpress expected attention (whole prompt)": dict(press="ExpectedAttentionPress", protocol="whole-prompt",
                                                       batch_size=1),
-    # Diagnostic rows, not in the presets (run them with --methods): one summary instead of both (session 12: Quest's
-    # bounds alone gave more vt and recall_list answers and fewer cwe and fwe than mean keys), and the selection
-    # settings one at a time.
+    # Diagnostic rows, not in the presets (run them with --methods): one summary instead of both (Quest's bounds alone
+    # gave more vt and recall_list answers and fewer cwe and fwe than mean keys), and the selection settings one at a
+    # time.
     "lookahead (draft model, mean summaries)": dict(selector="lookahead", draft=True,
                                                     **SELECTION | dict(summary="mean")),
     "lookahead (draft model, minmax)": dict(selector="lookahead", draft=True, **SELECTION | dict(summary="minmax")),

@@ -242,7 +242,8 @@ def test_question_split_finds_the_question_line_and_the_answer_cue():
         question_split(tok, tok("no question here")["input_ids"])
 
 
-@pytest.mark.parametrize("press", ["SnapKVPress", "AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))"])
+@pytest.mark.parametrize("press", ["SnapKVPress", "AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))",
+                                   "CompactorPress"])
 @pytest.mark.parametrize("protocol", ["query-agnostic", "query-aware"])
 def test_press_protocols_count_the_uncompressed_tail_inside_the_budget(press, protocol):
     """kvpress's protocols: the press sees the context (query-agnostic) or the context and question (query-aware);
