@@ -19,11 +19,11 @@ def _is_int(value: Any) -> bool:
 SUMMARY_KINDS = ("mean", "minmax", "mean+minmax")
 
 
-
 def blocks_for(tokens: int, block_size: int) -> int:
     """Blocks of `block_size` tokens that hold `tokens` tokens: ``ceil(tokens / block_size)``, the one place the
     block geometry rounds up."""
     return -(-tokens // block_size)
+
 
 @dataclass(frozen=True)
 class OasisConfig:

@@ -24,6 +24,7 @@ step's position (transformers' mask arguments) as dynamic, so that the capture i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from dataclasses import dataclass
@@ -189,19 +190,18 @@ class DecodeGraph:
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, capture: bool = False) -> torch.Tensor:
         """The model's forward with every OasisLayer on its whole-step path; forked streams joined at the end. With
         `capture`, a compiled model must not compile (that would run its autotuning inside the capture)."""
+        model, limits = self.model, contextlib.nullcontext()
+        if self.cache.config.compile_model:
+            model = self._compiled_model()
+            # One variant per layer of the frames before and after each break (a layer's index is a constant).
+            limit = max(8, 4 * len(self.cache.layers) + 8)
+            limits = torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit),
+                                                error_on_recompile=capture)
         self.cache.step_runner = self
         try:
-            if self.cache.config.compile_model:
-                model = self._compiled_model()
-                # One variant per layer of the frames before and after each break (a layer's index is a constant).
-                limit = max(8, 4 * len(self.cache.layers) + 8)
-                with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit),
-                                                error_on_recompile=capture):
-                    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
-                                **{self._kwarg: self.cache}).logits
-            else:
-                out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
-                                 **{self._kwarg: self.cache}).logits
+            with limits:
+                out = model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
+                            **{self._kwarg: self.cache}).logits
         finally:
             self.cache.step_runner = None
         for device, stream in self._forked.items():
