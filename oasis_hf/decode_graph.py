@@ -193,6 +193,9 @@ class DecodeGraph:
         model, limits = self.model, contextlib.nullcontext()
         if self.cache.config.compile_model:
             model = self._compiled_model()
+            # The capture's static inputs are contiguous: eager calls must show torch.compile the same strides (a
+            # position slice of a longer mask has others), or the capture would recompile.
+            input_ids, position_ids = input_ids.contiguous(), position_ids.contiguous()
             # One variant per layer of the frames before and after each break (a layer's index is a constant).
             limit = max(8, 4 * len(self.cache.layers) + 8)
             limits = torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit),
