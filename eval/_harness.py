@@ -187,6 +187,8 @@ FAMILIES = [
     ("plan_blocks", r"_plan_blocks_kernel"),
     ("delta gather (PCIe)", r"_gather_blocks_kernel"),
     ("dense attention", r"flash|fmha|attention"),
+    ("weight GEMMs in Inductor kernels (mm templates; mm as reductions, fused with norms)",
+     r"^triton_tem_|^triton_(red|per)_fused\w*_mm_"),
     ("Inductor fused kernels (norms, RoPE, activations)", r"^triton_(poi|red|per)_"),
     ("other PyTorch kernels (norms, RoPE, activations, index, reduce, copies)", r"."),
 ]

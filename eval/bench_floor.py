@@ -60,6 +60,7 @@ from eval._harness import FAMILIES, SHAPES, build_model, fill_random_kv, profile
 from eval.dense_baselines import (
     GIB,
     check_dense_graphed,
+    compile_label,
     dense_compile_row,
     dense_eager_row,
     dense_graphed_row,
@@ -83,6 +84,12 @@ COLUMNS = ["method", "kind", "batch", "context", "ms_per_step", "ms/step (p90)",
 
 #: --compile-model: which variants of the dense-graphed (sdpa) and OasisKV rows run (model through torch.compile).
 COMPILED = {"off": [False], "also": [False, True], "only": [True]}
+
+
+def compile_variants(args) -> list[tuple[bool, str | None]]:
+    """(compiled, torch.compile mode) of each variant of the dense-graphed (sdpa) and OasisKV rows."""
+    modes = [None if mode == "default" else mode for mode in args.compile_modes]
+    return [(compiled, mode) for compiled in COMPILED[args.compile_model] for mode in (modes if compiled else [None])]
 
 
 def parse_point(text: str) -> tuple[int, int]:
@@ -138,9 +145,9 @@ def oasis_row(model, kind: str, cfg: oasis_hf.OasisConfig, pool: PinnedPool, bat
         fetched = stats["fetched_blocks_per_layer_step"]
         block_bytes = cache.host.bytes_per_block() // pairs  # K + V of one (sequence, head) block
         moved = fetched * block_bytes * len(cache.oasis_layers)
-        graph = "whole-step graph, torch.compile" if cfg.compile_model else "whole-step graph"
+        graph = f"whole-step graph{compile_label(cfg.compile_model, cfg.compile_mode)}"
         row = {"method": f"OasisKV {cfg.selector} @{cfg.budget_tokens} ({graph})", "kind": kind,
-               "compiled": cfg.compile_model, "compile + capture s": capture_s,
+               "compiled": cfg.compile_model, "compile mode": cfg.compile_mode, "compile + capture s": capture_s,
                "context": context, "batch": batch, "ms/step (median)": median(times),
                "ms/step (p90)": percentile(times, 0.9), "tokens/s": batch * 1e3 / median(times),
                "host enqueue ms/step": median(enqueue), "ms/step (no per-step sync)": queued,
@@ -186,10 +193,11 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
             rows.append({"method": "dense eager (DynamicCache, sdpa)", "kind": "dense-eager", "batch": batch,
                          "context": context, "note": dense_skip})
     if "dense-graphed" in args.methods:
-        variants = [(kernel, compiled) for kernel in args.dense_kernels for compiled in COMPILED[args.compile_model]
+        variants = [(kernel, compiled, mode) for kernel in args.dense_kernels
+                    for compiled, mode in compile_variants(args)
                     if kernel == "sdpa" or not compiled]  # the Triton-kernel variant runs uncompiled only
-        for kernel, compiled in variants:
-            label = graphed_label(kernel, compiled)
+        for kernel, compiled, mode in variants:
+            label = graphed_label(kernel, compiled, mode)
             if not fits:
                 rows.append({"method": label, "kind": "dense-graphed", "batch": batch, "context": context,
                              "note": dense_skip})
@@ -197,10 +205,10 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
             profile = None
             if args.profile and point in args.profile_points and kernel == "sdpa" and torch.cuda.is_available():
                 profile = lambda step: profile_families(step, model.config.num_hidden_layers)  # noqa: E731
-            row = attempt(lambda k=kernel, p=profile, c=compiled: dense_graphed_row(
-                model, batch, context, args.warmup, args.repeats, k, p, compiled=c), label, "dense-graphed")
+            row = attempt(lambda k=kernel, p=profile, c=compiled, m=mode: dense_graphed_row(
+                model, batch, context, args.warmup, args.repeats, k, p, compiled=c, mode=m), label, "dense-graphed")
             row["logit check"] = check_dense_graphed(model, batch, min(context, args.check_context), kernel,
-                                                     compiled=compiled)
+                                                     compiled=compiled, mode=mode)
             logger.info("  check: %s", row["logit check"])
     if "dense-compile" in args.methods and point in args.compile_points and fits and torch.cuda.is_available():
         attempt(lambda: dense_compile_row(model, batch, context, args.warmup, args.repeats), "dense compile",
@@ -216,8 +224,8 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
             if rate is None:
                 continue
             fields["max_fetch_blocks"] = max(1, math.ceil(rate))
-        for compiled in COMPILED[args.compile_model]:
-            configs.append((method, oasis_hf.OasisConfig(**fields, compile_model=compiled)))
+        for compiled, mode in compile_variants(args):
+            configs.append((method, oasis_hf.OasisConfig(**fields, compile_model=compiled, compile_mode=mode)))
     for method, cfg in configs:
         kind = "oasis-lookahead" if method == "oasis-lookahead-real" else method
         profile = (args.profile and point in args.profile_points and torch.cuda.is_available()
@@ -247,7 +255,7 @@ def annotate(rows: list[dict]) -> None:
         return min(times) if times else None
 
     graphed, eager = best("dense-graphed"), best("dense-eager")
-    static = {r.get("compiled", False): r["ms/step (median)"] for r in rows
+    static = {(r.get("compiled", False), r.get("compile mode")): r["ms/step (median)"] for r in rows
               if r.get("kind") == "oasis-static" and "ms/step (median)" in r}
     for row in rows:
         if "ms/step (median)" not in row:
@@ -257,7 +265,7 @@ def annotate(rows: list[dict]) -> None:
             row["speed-up vs dense graphed"] = graphed / ms
         if eager:
             row["vs dense eager"] = eager / ms
-        same = static.get(row.get("compiled", False))  # the static step of the same variant (compiled or not)
+        same = static.get((row.get("compiled", False), row.get("compile mode")))  # the same variant's static step
         if same and row.get("kind", "").startswith("oasis"):
             row["step vs static"] = ms / same
 
@@ -274,19 +282,8 @@ def report(args, shape: dict, bandwidth: float, rows: list[dict], final: bool = 
               f"bandwidth {bandwidth / 1e12:.2f} TB/s measured in this run; medians of {args.repeats} steps after "
               f"{args.warmup}; `{env['command']}`\n\n")
     table = header + markdown_table(rows, [c for c in COLUMNS if any(c in r for r in rows)])
-    profiles = [r for r in rows if "profile" in r]
-    if profiles:
-        table += "\n\nGPU time per layer-step by kernel family (torch.profiler, 5 replays; us, kernels):\n\n"
-        labels = [label for label, _ in FAMILIES if any(label in r["profile"]["families"] for r in profiles)]
-        names = [f"{r['kind']}{' compiled' if r.get('compiled') else ''} {r['batch']}x{r['context']}"
-                 for r in profiles]
-        lines = ["| family | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-        for label in labels:
-            cells = [_profile_cell(r["profile"]["families"].get(label)) for r in profiles]
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
-        totals = [sum(v["us per layer-step"] for v in r["profile"]["families"].values()) for r in profiles]
-        lines.append("| total GPU time | " + " | ".join(f"{t:.1f}" for t in totals) + " |")
-        table += "\n".join(lines)
+    if any("profile" in r for r in rows):
+        table += "\n\n" + profile_table(rows)
     if args.out is not None:
         payload = {"env": env, "config": vars(args) | {"out": str(args.out)}, "shape": shape,
                    "hbm_bytes_per_s": bandwidth, "rows": rows}
@@ -343,6 +340,22 @@ def plot_floor(payload: dict, path: Path) -> Path | None:
     return save_figure(fig, plt, result_path(path, ".png"))
 
 
+def profile_table(rows: list[dict]) -> str:
+    """The kernel-family table (GPU us and kernels per layer-step) of the rows that carry a profile."""
+    profiles = [r for r in rows if "profile" in r]
+    labels = [label for label, _ in FAMILIES if any(label in r["profile"]["families"] for r in profiles)]
+    names = [f"{r['kind']}{compile_label(r.get('compiled', False), r.get('compile mode')).replace(', torch.', ' ')} "
+             f"{r['batch']}x{r['context']}" for r in profiles]
+    lines = ["GPU time per layer-step by kernel family (torch.profiler, 5 replays; us, kernels):", "",
+             "| family | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for label in labels:
+        cells = [_profile_cell(r["profile"]["families"].get(label)) for r in profiles]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    totals = [sum(v["us per layer-step"] for v in r["profile"]["families"].values()) for r in profiles]
+    lines.append("| total GPU time | " + " | ".join(f"{t:.1f}" for t in totals) + " |")
+    return "\n".join(lines)
+
+
 def compare_profiles(before: dict, after: dict) -> str:
     """Markdown: GPU us per layer-step by kernel family (kernels per layer-step), and ms per step, of each profiled
     OasisKV row of `before` next to the same row (kind, batch, context) of `after`."""
@@ -389,6 +402,9 @@ def main() -> None:
                         help="run the dense-graphed (sdpa) and OasisKV rows with the model through torch.compile "
                              "inside the captured graph (Inductor fuses norms, RoPE, activations): off, also (both "
                              "variants of each row), only (the dense Triton-kernel row runs uncompiled only)")
+    parser.add_argument("--compile-modes", nargs="+", choices=["default", "max-autotune-no-cudagraphs"],
+                        default=["default"], help="torch.compile modes of the compiled variants, one variant each "
+                        "(OasisConfig.compile_mode; the dense row compiles in the same mode)")
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--delta-rate", type=Path, default=None,
                         help="eval.delta_rate JSON: its drafted rows' blocks per (seq, head, forward) become the cap "

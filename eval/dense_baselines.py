@@ -259,20 +259,25 @@ def dense_graphed_generate(model, input_ids: torch.Tensor, attention_mask: torch
 
 
 @torch.inference_mode()
-def graphed_label(kernel: str, compiled: bool) -> str:
-    return f"dense graphed ({kernel}{', torch.compile' if compiled else ''})"
+def graphed_label(kernel: str, compiled: bool, mode: str | None = None) -> str:
+    return f"dense graphed ({kernel}{compile_label(compiled, mode)})"
 
 
-def _target(model, compiled: bool):
-    """`model`, or `model` through ``torch.compile`` (static shapes: one decode shape per capture)."""
-    return torch.compile(model, dynamic=False) if compiled else model
+def compile_label(compiled: bool, mode: str | None) -> str:
+    """The suffix naming how a row's model ran: nothing, ``, torch.compile`` or ``, torch.compile <mode>``."""
+    return f", torch.compile{f' {mode}' if mode else ''}" if compiled else ""
+
+
+def _target(model, compiled: bool, mode: str | None = None):
+    """`model`, or `model` through ``torch.compile`` in `mode` (static shapes: one decode shape per capture)."""
+    return torch.compile(model, dynamic=False, mode=mode) if compiled else model
 
 
 def dense_graphed_row(model, batch: int, context: int, warmup: int, repeats: int, kernel: str = "sdpa",
-                      profile=None, compiled: bool = False) -> dict:
+                      profile=None, compiled: bool = False, mode: str | None = None) -> dict:
     """Time the dense-graphed decode step at `context` tokens (random K/V); ``profile(step)``, when given, returns
     what the row records under ``"profile"`` (e.g. a kernel-family table of a few replays). `compiled`: capture the
-    model through ``torch.compile`` (compiled in the warm-up before the capture)."""
+    model through ``torch.compile`` in `mode` (compiled in the warm-up before the capture)."""
     previous = model.config._attn_implementation
     decode = PrefixDecode(model, batch, context + 1, kernel)  # registers its attention function
     model.set_attn_implementation(PREFIX_ATTENTION)
@@ -280,13 +285,14 @@ def dense_graphed_row(model, batch: int, context: int, warmup: int, repeats: int
         decode.fill_random(context)
         decode.set_step(context)
         token = torch.randint(0, model.config.vocab_size, (batch, 1), device=decode.position.device)
-        target = _target(model, compiled)
+        target = _target(model, compiled, mode)
         t0 = time.perf_counter()
         graph, _ = _graph(lambda: forward_prefix(target, decode, token), token.device)
         capture_s = time.perf_counter() - t0
         enqueue: list[float] = []
         times = time_steps(graph.replay, warmup, repeats, enqueue)
-        row = {"method": graphed_label(kernel, compiled), "kind": "dense-graphed", "compiled": compiled,
+        row = {"method": graphed_label(kernel, compiled, mode), "kind": "dense-graphed", "compiled": compiled,
+               "compile mode": mode if compiled else None,
                "compile + capture s": capture_s, "context": context, "batch": batch,
                "ms/step (median)": median(times), "ms/step (p90)": percentile(times, 0.9),
                "tokens/s": batch * 1e3 / median(times), "host enqueue ms/step": median(enqueue),
@@ -303,7 +309,8 @@ def dense_graphed_row(model, batch: int, context: int, warmup: int, repeats: int
 
 
 @torch.inference_mode()
-def check_dense_graphed(model, batch: int, context: int, kernel: str = "sdpa", compiled: bool = False) -> dict:
+def check_dense_graphed(model, batch: int, context: int, kernel: str = "sdpa", compiled: bool = False,
+                        mode: str | None = None) -> dict:
     """Logits of a graphed dense step against an eager SDPA forward over a `DynamicCache` holding the same K/V."""
     previous = model.config._attn_implementation
     decode = PrefixDecode(model, batch, context + 1, kernel)  # registers its attention function
@@ -312,7 +319,7 @@ def check_dense_graphed(model, batch: int, context: int, kernel: str = "sdpa", c
         decode.fill_random(context, seed=1)
         decode.set_step(context)
         token = torch.randint(0, model.config.vocab_size, (batch, 1), device=decode.position.device)
-        target = _target(model, compiled)
+        target = _target(model, compiled, mode)
         graph, out = _graph(lambda: forward_prefix(target, decode, token), token.device)
         if token.device.type == "cuda":
             graph.replay()  # the captured output buffer now holds this replay's logits

@@ -214,9 +214,10 @@ class DecodeGraph:
 
     def _compiled_model(self):
         if self._compiled is None:
-            logger.info("DecodeGraph: compiling %s with torch.compile (OasisConfig.compile_model)",
-                        type(self.model).__name__)
-            self._compiled = torch.compile(self.model, dynamic=None)
+            mode = self.cache.config.compile_mode
+            logger.info("DecodeGraph: compiling %s with torch.compile (OasisConfig.compile_model, mode %s)",
+                        type(self.model).__name__, mode or "default")
+            self._compiled = torch.compile(self.model, dynamic=None, mode=mode)
         return self._compiled
 
     def _eager(self, input_ids, position_ids, current) -> torch.Tensor:

@@ -38,6 +38,9 @@ BAD = [
     ("score_decay", 1.0, "in \\[0, 1\\)"),
     ("score_decay", -0.1, "in \\[0, 1\\)"),
     ("score_decay", "0.9", "in \\[0, 1\\)"),
+    ("compile_mode", "reduce-overhead", "CUDA graphs of their own"),
+    ("compile_mode", "max-autotune", "CUDA graphs of their own"),
+    ("compile_mode", "max-autotune-no-cudagraphs", "set that too"),  # without compile_model=True
 ]
 
 

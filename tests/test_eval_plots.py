@@ -438,6 +438,21 @@ def test_floor_bench_compiled_rows_carry_their_label_and_logit_check(tmp_path, m
     assert "dense graphed (sdpa)" not in rows  # only the compiled variants
 
 
+def test_floor_bench_runs_one_compiled_variant_per_mode_and_labels_it():
+    import argparse
+
+    from eval.bench_floor import compile_variants
+    from eval.dense_baselines import graphed_label
+
+    args = argparse.Namespace(compile_model="also", compile_modes=["default", "max-autotune-no-cudagraphs"])
+    assert compile_variants(args) == [(False, None), (True, None), (True, "max-autotune-no-cudagraphs")]
+    args.compile_model = "off"
+    assert compile_variants(args) == [(False, None)]
+    assert graphed_label("sdpa", True, "max-autotune-no-cudagraphs") == (
+        "dense graphed (sdpa, torch.compile max-autotune-no-cudagraphs)")
+    assert graphed_label("sdpa", False, "max-autotune-no-cudagraphs") == "dense graphed (sdpa)"
+
+
 def test_generate_path_bench_runs_its_decode_and_prefill_rows(tmp_path, monkeypatch):
     """Plumbing only, on the CPU (no graphs, no timing asserted): per selector the DecodeGraph row, the
     model.generate rows through the forward wrapper and the per-layer path (with the host profile of the loop), and
@@ -557,3 +572,14 @@ def test_yarn_context_stretches_the_rotary_embedding_for_long_rows_only():
         assert not torch.equal(stretched, trained)
         assert model.config.max_position_embeddings == 4096 and model.config.rope_parameters["rope_type"] == "default"
         assert torch.equal(model(ids).logits, trained)
+
+
+def test_profile_families_sort_inductor_gemms_apart_from_its_elementwise_kernels():
+    from eval._harness import family
+
+    gemm = "weight GEMMs in Inductor kernels (mm templates; mm as reductions, fused with norms)"
+    assert family("triton_red_fused__to_copy_add_mean_mm_mul_pow_rsqrt_t_view_1") == gemm  # norm + QKV as one reduction
+    assert family("triton_tem_fused_mm_t_view_4") == gemm
+    assert family("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0").startswith("Inductor fused kernels")
+    assert family("nvjet_sm90_tst_64x8_64x16_2x1_v_bz_TNT") == "weight GEMMs"
+    assert family("_sparse_attention_kernel") == "sparse attention"
