@@ -1,4 +1,4 @@
-"""PNG figures for benchmark results: ``python -m eval.plot eval/results/core_decode_8b_b8_32k.json [...]``.
+"""PNG figures for benchmark results: ``python -m eval.plot eval/results/kernels_h200.json [...]``.
 
 `bench_decode` calls `plot_decode` itself when matplotlib is installed (``pip install oasis_hf[eval]``); this entry
 point redraws figures from committed JSON.
