@@ -44,5 +44,5 @@ run_pytest --durations=10
 "$PY" -m pip install -q -c "$VENV/constraints.txt" "transformers==5.17.0" "cachetools>=5" "fire" "pandas<3"
 "$PY" -m pip install -q --no-deps "kvpress==0.5.5"
 "$PY" -c "import transformers; assert transformers.__version__ == '5.17.0', transformers.__version__"
-run_pytest tests/test_generate.py tests/test_tasks.py tests/test_decode_graph.py tests/test_speculative.py \
+run_pytest tests/test_generate.py tests/eval/test_tasks.py tests/test_decode_graph.py tests/test_speculative.py \
     tests/test_pipelines.py

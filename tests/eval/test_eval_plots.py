@@ -10,7 +10,7 @@ pytest.importorskip("matplotlib", reason="figures need matplotlib (pip install -
 from eval import plot  # noqa: E402
 from eval.bench_sweep import plot_sweep  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parents[1] / "eval" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "eval" / "results"
 
 
 def test_sweep_figures_from_committed_results(tmp_path):

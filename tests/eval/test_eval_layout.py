@@ -4,7 +4,7 @@ the benchmark harness, figures, the baselines) and never one another (cycles: `t
 import ast
 from pathlib import Path
 
-EVAL = Path(__file__).resolve().parents[1] / "eval"
+EVAL = Path(__file__).resolve().parents[2] / "eval"
 SHARED = {"_common", "_harness", "plot", "dense_baselines", "press_baselines", "static_decode", "tasks"}
 
 

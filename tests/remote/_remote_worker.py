@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from oasis_hf.remote import MooncakeTier, publish  # noqa: E402
 from tests._factories import VOCAB, oasis_cache, tiny_model  # noqa: E402

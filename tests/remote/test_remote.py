@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from oasis_hf import PrefetchError, RemoteTierError, UnsupportedError
 from oasis_hf.remote import MooncakeCluster, MooncakeTier, attach, mooncake_available
 from tests._factories import oasis_cache, tiny_model
-from tests._remote_worker import prompt_ids
+from tests.remote._remote_worker import prompt_ids
 
 pytestmark = pytest.mark.skipif(
     not mooncake_available(),
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
            "(scripts/test.sh installs it) and the system library libibverbs1 (apt-get install libibverbs1; CI does)",
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(budget_tokens=128, max_fetch_blocks=2, selector="lookahead")  # 8 slots of 16: real eviction/fetches
 
 
@@ -37,7 +37,7 @@ def cluster():
 def prefill_in_other_process(master: str, request: str, fields: dict) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, str(ROOT / "tests" / "_remote_worker.py"), master, request,
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "remote" / "_remote_worker.py"), master, request,
                           json.dumps(fields)], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
 
