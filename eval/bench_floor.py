@@ -154,8 +154,9 @@ def oasis_row(model, kind: str, cfg: oasis_hf.OasisConfig, pool: PinnedPool, bat
                "GPU KV MiB/seq": cache.device_nbytes() / batch / 2**20,
                "host MiB/seq": cache.host_nbytes() / batch / 2**20,
                "fetched blocks/(seq, head, layer-step)": fetched / pairs,
-               "PCIe GB/s": moved / (median(times) / 1e3) / 1e9 if fetched else 0.0, "max_fetch_blocks":
-               cfg.max_fetch_blocks, "prefetch late jobs": stats["prefetch_late"], "KV fill s": fill_s,
+               "PCIe GB/s": moved / (median(times) / 1e3) / 1e9 if fetched else 0.0,
+               "fetch_programs": cfg.fetch_programs, "max_fetch_blocks": cfg.max_fetch_blocks,
+               "prefetch late jobs": stats["prefetch_late"], "KV fill s": fill_s,
                "raw_ms": times}
         if profile:
             row["profile"] = profile_families(step, len(cache.oasis_layers))
@@ -220,6 +221,8 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
             continue
         selector = {"oasis-lookahead-real": "lookahead"}.get(method, method.removeprefix("oasis-"))
         fields = dict(budget_tokens=args.budget, selector=selector, host_capacity_tokens=host_capacity)
+        if args.fetch_programs is not None:
+            fields["fetch_programs"] = None if args.fetch_programs == "none" else int(args.fetch_programs)
         if method == "oasis-lookahead-real":
             if rate is None:
                 continue
@@ -406,6 +409,9 @@ def main() -> None:
                         default=["default"], help="torch.compile modes of the compiled variants, one variant each "
                         "(OasisConfig.compile_mode; the dense row compiles in the same mode)")
     parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--fetch-programs", default=None,
+                        help="OasisConfig.fetch_programs of the OasisKV rows (a number, or 'none' for no cap); "
+                             "default: the library's")
     parser.add_argument("--delta-rate", type=Path, default=None,
                         help="eval.delta_rate JSON: its drafted rows' blocks per (seq, head, forward) become the cap "
                              "of the oasis-lookahead-real row")
