@@ -97,13 +97,15 @@ def parse_point(text: str) -> tuple[int, int]:
     return int(batch), int(context)
 
 
-def delta_rate(path: Path | None) -> tuple[float | None, str]:
+def delta_rate(path: Path | None, task: str | None = None) -> tuple[float | None, str]:
     """The blocks per (sequence, KV head) and layer-step to replay: the highest of an `eval.delta_rate` result's
-    plain-decoding rows (one token per forward, as the benchmark's steps), and a note with the drafted rows' rate
-    per forward and per token."""
+    plain-decoding rows (one token per forward, as the benchmark's steps), of `task`'s rows only when given, and a
+    note with the drafted rows' rate per forward and per token."""
     if path is None:
         return None, ""
-    rows = json.loads(Path(path).read_text())["rows"]
+    rows = [r for r in json.loads(Path(path).read_text())["rows"] if task is None or r.get("task") == task]
+    if not rows:
+        raise SystemExit(f"--delta-rate {path}: no rows of task {task!r}")
     plain = [r["blocks/(seq, head, forward)"] for r in rows if "plain decoding" in r["method"]]
     drafted = [r for r in rows if "draft model" in r["method"]]
     note = "".join(f"; with the draft model ({r['task']}): {r['blocks/(seq, head, forward)']:.2f} per forward of "
@@ -415,6 +417,8 @@ def main() -> None:
     parser.add_argument("--delta-rate", type=Path, default=None,
                         help="eval.delta_rate JSON: its drafted rows' blocks per (seq, head, forward) become the cap "
                              "of the oasis-lookahead-real row")
+    parser.add_argument("--delta-task", default=None,
+                        help="use only this task's rows of the --delta-rate JSON (e.g. recall_list)")
     parser.add_argument("--check-context", type=int, default=4096,
                         help="context of the dense-graphed logit check against eager dense attention")
     parser.add_argument("--host-gib", type=float, default=100.0, help="pinned host memory OasisKV may use")
@@ -435,7 +439,7 @@ def main() -> None:
     model = build_model(shape, args.device, torch.bfloat16 if on_gpu else torch.float32)
     bandwidth = hbm_bandwidth(args.device, 4 * GIB if on_gpu else 2**26)
     logger.info("device-to-device copy bandwidth %.2f TB/s", bandwidth / 1e12)
-    rate, rate_note = delta_rate(args.delta_rate)
+    rate, rate_note = delta_rate(args.delta_rate, args.delta_task)
     pool = PinnedPool()
     rows: list[dict] = []
     for text in args.points:

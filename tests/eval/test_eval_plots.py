@@ -1,6 +1,7 @@
 """The benchmark figures draw from committed results (plumbing: files are written, skipped points tolerated)."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -583,3 +584,14 @@ def test_profile_families_sort_inductor_gemms_apart_from_its_elementwise_kernels
     assert family("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0").startswith("Inductor fused kernels")
     assert family("nvjet_sm90_tst_64x8_64x16_2x1_v_bz_TNT") == "weight GEMMs"
     assert family("_sparse_attention_kernel") == "sparse attention"
+
+
+def test_floor_bench_replays_one_task_delta_rate_from_the_committed_result():
+    from eval.bench_floor import delta_rate
+
+    path = RESULTS / "delta_rate_qwen1.5b_16k.json"
+    recall_list, note = delta_rate(path, "recall_list")
+    assert math.ceil(recall_list) == 5 and "recall_list" in note and "qa" not in note
+    assert delta_rate(path)[0] > recall_list  # the qa rows move more
+    with pytest.raises(SystemExit, match="no rows of task"):
+        delta_rate(path, "no-such-task")
