@@ -16,6 +16,7 @@ import torch
 from oasis_hf.cache.block_table import INF
 from oasis_hf.config import blocks_for
 from oasis_hf.kernels import score_blocks, score_blocks_ref, use_triton
+from oasis_hf.selectors.base import ScoringContext
 
 if TYPE_CHECKING:
     from oasis_hf.cache.layer import OasisLayer
@@ -35,7 +36,8 @@ def block_scores(layer: OasisLayer, query: torch.Tensor, scale: float, start: to
     cfg = layer.config
     selector = layer.cache.selector
     if raw is None and selector.scoring == "custom":
-        raw = selector.score(layer, query, scale)
+        raw = selector.score(ScoringContext(layer.summaries.data, cfg.kernel_backend, layer.exact_block_mass),
+                             query, scale)
     score = score_blocks if use_triton(query, cfg.kernel_backend) else score_blocks_ref
     return score(
         query, layer.summaries.data, raw, layer.score_memory, layer.kv_start, start, scale,

@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 from abc import ABC
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-if TYPE_CHECKING:
-    from oasis_hf.cache.layer import OasisLayer
+
+@dataclass(frozen=True)
+class ScoringContext:
+    """What a selector with ``scoring = "custom"`` may read of the layer whose blocks it scores."""
+
+    #: (B, H_kv, NB_cap, D_s) float32 block summaries (`OasisConfig.summary`: mean keys, min/max bounds or both).
+    summaries: torch.Tensor
+    #: `OasisConfig.kernel_backend` of the cache.
+    kernel_backend: str
+    #: ``exact_block_mass(query, scale)``: (B, H_kv, NB_cap) exact softmax attention mass of `query` (B, H_q, T, D)
+    #: per block, from the full keys in host memory (reads them back and synchronises: not capturable).
+    exact_block_mass: Callable[[torch.Tensor, float], torch.Tensor]
 
 
 class BlockSelector(ABC):
@@ -40,7 +52,7 @@ class BlockSelector(ABC):
         """Asynchronous selectors: the rows of this forward's queries (B, H_q, T, D) that score the next step."""
         raise NotImplementedError(f"{type(self).__name__} selects synchronously")
 
-    def score(self, layer: OasisLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
+    def score(self, context: ScoringContext, query: torch.Tensor, scale: float) -> torch.Tensor:
         """``scoring = "custom"`` only: (B, H_kv, NB_cap) float32 raw scores of `query` (B, H_q, T, D), RoPE
-        applied (the layer then applies the shared rules)."""
+        applied, from what `context` offers (the layer then applies the shared rules)."""
         raise NotImplementedError(f"{type(self).__name__} scores with {self.scoring!r}, not a score method")

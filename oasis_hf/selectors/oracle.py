@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from oasis_hf.selectors.base import BlockSelector
+from oasis_hf.selectors.base import BlockSelector, ScoringContext
 
 
 class OracleSelector(BlockSelector):
@@ -18,5 +18,5 @@ class OracleSelector(BlockSelector):
     capturable = False  # reads every key back from host memory and synchronises
     window_and_memory = False  # the exact top of each step, nothing remembered
 
-    def score(self, layer, query: torch.Tensor, scale: float) -> torch.Tensor:
-        return layer.exact_block_mass(query, scale)
+    def score(self, context: ScoringContext, query: torch.Tensor, scale: float) -> torch.Tensor:
+        return context.exact_block_mass(query, scale)
