@@ -130,7 +130,7 @@ class DecodeGraph:
         device = torch.device(device)
         if device.type != "cuda":
             return None
-        stream = self.cache.prefetcher(device).stream
+        stream = self.cache.runtime(device).prefetcher.stream
         stream.wait_stream(torch.cuda.current_stream(device))
         self._forked[device] = stream
         return stream
@@ -225,7 +225,7 @@ class DecodeGraph:
             return self._forward(input_ids, position_ids)
         # On the capture stream, as the capture will run: it creates the library handles and workspaces that stream
         # needs and compiles every Triton variant, so nothing of the kind happens during the capture.
-        stream = self.cache.capture_stream(input_ids.device)
+        stream = self.cache.runtime(input_ids.device).capture_stream()
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
             logits = self._forward(input_ids, position_ids)
@@ -247,7 +247,7 @@ class DecodeGraph:
                 raise
 
         try:
-            graph, logits = capture_graph(self.cache.capture_stream(device), forward, pool=self._pool,
+            graph, logits = capture_graph(self.cache.runtime(device).capture_stream(), forward, pool=self._pool,
                                           what="whole-step")
         except torch._dynamo.exc.RecompileError as exc:
             raise UnsupportedError(

@@ -71,7 +71,8 @@ def test_split_model_matches_single_device(devices, budget, selector):
     gpu_layers = [layer for layer in cache.oasis_layers if layer.pool_k.is_cuda]
     assert stats["graph_replays"] > 0 and all(layer.step_graphs.graphs for layer in gpu_layers)
     if selector == "lookahead":
-        assert set(cache._prefetchers) == {torch.device(d) for d in devices}  # one worker per device
+        started = {device for device, runtime in cache.runtimes.items() if runtime.started}
+        assert started == {torch.device(d) for d in devices}  # one worker per device
     cache.close()
     ref_cache.close()
 

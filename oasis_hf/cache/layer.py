@@ -361,7 +361,7 @@ class OasisLayer(CacheLayerMixin):
             # step (inside a graph this is a parallel branch). No fetch of this step can read them: the blocks they
             # land in are the recent ones, always resident.
             compute = torch.cuda.current_stream(self.device)
-            side = self.cache.writeback_stream(self.device)
+            side = self.cache.runtime(self.device).writeback_stream
             side.wait_stream(compute)
             with torch.cuda.stream(side):
                 self.cache.host.write_at(self.layer_idx, key, value, start)

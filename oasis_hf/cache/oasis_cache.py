@@ -28,8 +28,8 @@ from oasis_hf import compat
 from oasis_hf.cache.host_store import BlockStore, HostKVStore
 from oasis_hf.cache.layer import OasisLayer, WindowLayer
 from oasis_hf.cache.pinned import PinnedPool
-from oasis_hf.cache.prefetch import Prefetcher, background_stream
 from oasis_hf.cache.prefill import padding_starts
+from oasis_hf.cache.runtime import DeviceRuntime, close_all
 from oasis_hf.cache.stats import OasisStats
 from oasis_hf.config import OasisConfig
 from oasis_hf.errors import OasisError, UnsupportedError
@@ -94,9 +94,7 @@ class OasisCache(Cache):
         self._host_returned = False  # closed with a pool: the host memory went back to it
         self.stats = OasisStats()
         self.stats.drain = weakref.WeakMethod(self.wait)
-        self._writeback_streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._capture_streams: dict[tuple[torch.device, bool], torch.cuda.Stream] = {}
-        self._prefetchers: dict[torch.device, Prefetcher] = {}
+        self._runtimes: dict[torch.device, DeviceRuntime] = {}  # per device: prefetch worker, side streams
         self.step_runner = None  # the `oasis_hf.DecodeGraph` whose forward is running (layers take its path)
         self._starts: tuple | None = None  # (mask, length, device, result) of the last prefill: see `padding_starts`
         #: The `oasis_hf.DecodeGraph` that ``model.generate``'s decode forwards replay over this cache (created by the
@@ -113,7 +111,7 @@ class OasisCache(Cache):
         self._kv_shape = (heads, head_dim)
         self._checked: set[int] = set()  # layers whose K/V shape was checked
         # No thread outlives the cache: close the workers when the cache is collected (or at interpreter exit).
-        self._finalizer = weakref.finalize(self, _close_all, self._prefetchers)
+        self._finalizer = weakref.finalize(self, close_all, self._runtimes)
         super().__init__(layers=layers)
         self._oasis_layers = [layer for layer in layers if isinstance(layer, OasisLayer)]
 
@@ -169,13 +167,18 @@ class OasisCache(Cache):
         longest length that fits named) before any decoding, instead of failing when the store grows mid-decode."""
         self._planned_tokens = max(self._planned_tokens, int(num_tokens))
 
-    def prefetcher(self, device: torch.device) -> Prefetcher:
-        """The background selection worker of `device`, started on first use."""
-        worker = self._prefetchers.get(device)
-        if worker is None:
-            worker = self._prefetchers[device] = Prefetcher(device, name=f"oasis-prefetch-{device}")
-            worker.start()
-        return worker
+    def runtime(self, device: torch.device) -> DeviceRuntime:
+        """What this cache runs on `device`: its prefetch worker and side streams (`DeviceRuntime`)."""
+        device = torch.device(device)
+        runtime = self._runtimes.get(device)
+        if runtime is None:
+            runtime = self._runtimes[device] = DeviceRuntime(device)
+        return runtime
+
+    @property
+    def runtimes(self) -> dict[torch.device, DeviceRuntime]:
+        """The devices this cache has run on so far, and their runtimes (read-only view)."""
+        return dict(self._runtimes)
 
     def wait(self) -> None:
         """Wait for every outstanding selection job (re-raises a worker failure as `PrefetchError`)."""
@@ -189,7 +192,7 @@ class OasisCache(Cache):
         try:
             self.wait()
         finally:
-            _close_all(self._prefetchers)
+            close_all(self._runtimes)
             if self.host is not None:
                 # A remote store frees the request's objects; the local one keeps its memory, or returns it to its
                 # pool, after which this cache refuses further use (its captured graphs point into that memory).
@@ -203,21 +206,6 @@ class OasisCache(Cache):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def writeback_stream(self, device: torch.device) -> torch.cuda.Stream:
-        """The side stream device-to-host write-back runs on (eagerly, and as a forked branch inside graphs); high
-        priority, so it runs beside the step (`background_stream`)."""
-        if device not in self._writeback_streams:
-            self._writeback_streams[device] = background_stream(device)
-        return self._writeback_streams[device]
-
-    def capture_stream(self, device: torch.device, background: bool = False) -> torch.cuda.Stream:
-        """The side stream the graphs of `device` are warmed up and captured on: decode steps at default priority,
-        selection jobs (`background`) at high priority, which their replays keep (`background_stream`)."""
-        key = (device, background)
-        if key not in self._capture_streams:
-            self._capture_streams[key] = background_stream(device) if background else torch.cuda.Stream(device)
-        return self._capture_streams[key]
 
     def graph_pool(self, device: torch.device, kind: str):
         """The private memory pool the layers' graphs of `kind` on `device` share: ``"step"`` graphs replay one
@@ -247,7 +235,7 @@ class OasisCache(Cache):
             host.write(layer.layer_idx, keys, values, start)
             return
         device = keys.device
-        stream = self.writeback_stream(device)
+        stream = self.runtime(device).writeback_stream
         stream.wait_stream(torch.cuda.current_stream(device))  # K/V of this step exist before we read them
         with torch.cuda.device(device), torch.cuda.stream(stream):
             host.write(layer.layer_idx, keys, values, start)
@@ -422,7 +410,3 @@ class OasisCache(Cache):
         return per_layer * len(layers)
 
 
-def _close_all(prefetchers: dict) -> None:
-    for worker in list(prefetchers.values()):
-        worker.close()
-    prefetchers.clear()

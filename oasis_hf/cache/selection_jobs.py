@@ -96,7 +96,7 @@ class SelectionJobs:
                 "threads at once (the prefetch worker and the decode step); set OasisConfig.prefetch=False (jobs "
                 "inline) or kernel_backend='auto'"
             )
-        prefetcher = cache.prefetcher(layer.device)
+        prefetcher = cache.runtime(layer.device).prefetcher
         if prefetcher.stream is not None:  # the worker stream reads these after the caller may free them
             query.record_stream(prefetcher.stream)
             start.record_stream(prefetcher.stream)
@@ -136,7 +136,7 @@ class SelectionJobs:
             return
         ticket, self.ticket = self.ticket, None
         layer = self.layer
-        prefetcher = layer.cache.prefetcher(layer.device)
+        prefetcher = layer.cache.runtime(layer.device).prefetcher
         late, stall = prefetcher.late, prefetcher.stall_s
         prefetcher.wait(ticket)
         stats = layer.cache.stats
@@ -250,7 +250,7 @@ class JobGraph:
         layer = jobs.layer
         self.device = layer.device
         self.scale = scale
-        self.graph, _ = capture_graph(layer.cache.capture_stream(self.device, background=True),
+        self.graph, _ = capture_graph(layer.cache.runtime(self.device).capture_stream(background=True),
                                       lambda: jobs.job(query, start, num_tokens, scale),
                                       pool=layer.cache.graph_pool(self.device, "job"), what="selection job")
 

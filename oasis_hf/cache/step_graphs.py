@@ -89,7 +89,7 @@ class StepGraphs:
         graph = self.graphs.get(num_tokens)
         if graph is None or graph.scale != scale:
             cache = layer.cache
-            stream = cache.capture_stream(layer.device)
+            stream = cache.runtime(layer.device).capture_stream()
             if num_tokens not in self.warm:
                 self.warm.add(num_tokens)
                 stream.wait_stream(torch.cuda.current_stream(layer.device))

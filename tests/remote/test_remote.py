@@ -148,7 +148,7 @@ def test_dead_service_mid_decode_raises_within_10s(victim):
         assert elapsed < 10, f"the failure took {elapsed:.1f} s to surface"
         chain = f"{err.value} {err.value.__cause__}"
         assert ("RPC_FAIL" in chain) or ("TRANSFER_FAIL" in chain) or ("OBJECT_NOT_FOUND" in chain), chain
-        threads = [worker._thread for worker in cache._prefetchers.values()]
+        threads = [runtime.prefetcher._thread for runtime in cache.runtimes.values() if runtime.started]
         with pytest.raises(PrefetchError):
             cache.close()  # the worker's failure is reported again, and the worker thread still stops
         tier.close()
