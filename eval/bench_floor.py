@@ -349,8 +349,9 @@ def profile_table(rows: list[dict]) -> str:
     """The kernel-family table (GPU us and kernels per layer-step) of the rows that carry a profile."""
     profiles = [r for r in rows if "profile" in r]
     labels = [label for label, _ in FAMILIES if any(label in r["profile"]["families"] for r in profiles)]
-    names = [f"{r['kind']}{compile_label(r.get('compiled', False), r.get('compile mode')).replace(', torch.', ' ')} "
-             f"{r['batch']}x{r['context']}" for r in profiles]
+    names = [f"{r['kind']}{' compiled' if r.get('compiled') else ''}"
+             f"{' ' + r['compile mode'] if r.get('compile mode') else ''} {r['batch']}x{r['context']}"
+             for r in profiles]
     lines = ["GPU time per layer-step by kernel family (torch.profiler, 5 replays; us, kernels):", "",
              "| family | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for label in labels:
@@ -415,8 +416,8 @@ def main() -> None:
                         help="OasisConfig.fetch_programs of the OasisKV rows (a number, or 'none' for no cap); "
                              "default: the library's")
     parser.add_argument("--delta-rate", type=Path, default=None,
-                        help="eval.delta_rate JSON: its drafted rows' blocks per (seq, head, forward) become the cap "
-                             "of the oasis-lookahead-real row")
+                        help="eval.delta_rate JSON: the highest of its plain-decoding rows' blocks per (seq, head, "
+                             "forward), rounded up, becomes the cap of the oasis-lookahead-real row")
     parser.add_argument("--delta-task", default=None,
                         help="use only this task's rows of the --delta-rate JSON (e.g. recall_list)")
     parser.add_argument("--check-context", type=int, default=4096,

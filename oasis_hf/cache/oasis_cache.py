@@ -408,5 +408,3 @@ class OasisCache(Cache):
         elem = first.pool_k.element_size()
         per_layer = 2 * first.batch_size * first.num_kv_heads * first.length * first.head_dim * elem
         return per_layer * len(layers)
-
-
