@@ -102,7 +102,7 @@ class DecodeGraph:
         self._warm: dict[int, tuple[int, int]] = {}  # T -> (the table epoch its eager runs saw, how many ran)
         self._compiled = None  # the model through torch.compile (OasisConfig.compile_model), built on first use
         self._starts: dict[torch.device, torch.Tensor] = {}  # (2,) long per device: the step's first position, end
-        self._forked: dict[torch.device, torch.cuda.Stream] = {}
+        self._forked: dict[tuple[torch.device, str], torch.cuda.Stream] = {}  # (device, "jobs" | "gather")
         self._pool = None
         self.replays = 0
         self.steps = 0  # forwards run (replays, captures and eager runs)
@@ -132,8 +132,20 @@ class DecodeGraph:
             return None
         stream = self.cache.runtime(device).prefetcher.stream
         stream.wait_stream(torch.cuda.current_stream(device))
-        self._forked[device] = stream
+        self._forked[device, "jobs"] = stream
         return stream
+
+    def fork_gather(self, device: torch.device) -> torch.cuda.Stream | None:
+        """The gather stream of `device`, ordered after the work issued so far on its prefetch stream (a job's
+        plan): the transfer runs there while the next layers' jobs score and plan (None on the CPU); joined back at
+        the end of the forward like `fork`'s stream."""
+        device = torch.device(device)
+        if device.type != "cuda":
+            return None
+        prefetcher = self.cache.prefetcher(device)
+        prefetcher.gather_stream.wait_stream(prefetcher.stream)
+        self._forked[device, "gather"] = prefetcher.gather_stream
+        return prefetcher.gather_stream
 
     # ------------------------------------------------------------------------------------------ the step
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -207,7 +219,7 @@ class DecodeGraph:
                             **{self._kwarg: self.cache}).logits
         finally:
             self.cache.step_runner = None
-        for device, stream in self._forked.items():
+        for (device, _), stream in self._forked.items():
             torch.cuda.current_stream(device).wait_stream(stream)
         self._forked.clear()
         return out

@@ -341,7 +341,13 @@ class OasisLayer(CacheLayerMixin):
                 # pool) reuse its memory under the job, which then scores garbage and picks other blocks.
                 query.record_stream(stream)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                self.jobs.job(query, start, num_tokens, scale)
+                _, delta = self.jobs.choose(query, start, num_tokens, scale)  # no remote tier on this path
+            if delta is not None:
+                gather = step.fork_gather(self.device)
+                for tensor in delta if gather is not None else ():
+                    tensor.record_stream(gather)  # made on the prefetch stream, read on the gather stream
+                with torch.cuda.stream(gather) if gather is not None else contextlib.nullcontext():
+                    self.jobs.fetch(delta)
         return out
 
     def decode_step(self, query, key, value, start: torch.Tensor, scale: float, write_back: bool,

@@ -77,6 +77,9 @@ class Prefetcher:
         self.device = torch.device(device)
         self.name = name
         self.stream = background_stream(self.device) if self.device.type == "cuda" else None
+        # Inside the whole-step graph a job's gather runs here, after its plan, so the next layer's scoring and
+        # plan on `stream` overlap this layer's PCIe transfer instead of queueing behind it.
+        self.gather_stream = background_stream(self.device) if self.device.type == "cuda" else None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None

@@ -56,6 +56,16 @@ class SelectionJobs:
         query : (B, H_q, T, D) this forward's queries; start : 0-d long tensor, the forward's first position.
         Runs on the prefetch worker (its stream) or inline; fixed shapes, no host synchronisation.
         """
+        scores, delta = self.choose(query, start, num_tokens, scale)
+        if delta is not None:
+            self.fetch(delta)
+        layer = self.layer
+        layer.cache.host.prefetch_hint(layer.layer_idx, scores, layer.table.num_slots)  # remote tier: pull ahead
+
+    def choose(self, query: torch.Tensor, start: torch.Tensor, num_tokens: int,
+               scale: float) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+        """The job's scoring and plan (the table already updated): the block scores and ``(blocks, slots, valid)``,
+        each (B, H_kv, N), for `fetch`; no delta under the ``stale`` policy, which only stages a proposal."""
         # No local reference to the cache: this runs on the worker thread, which must never hold the last one (a
         # cache dropped meanwhile is then freed, and its worker stopped, on the thread that dropped it).
         layer = self.layer
@@ -65,11 +75,15 @@ class SelectionJobs:
         scores = block_scores(layer, rows, scale, start, num_tokens=1, start_offset=num_tokens - 1)
         if cfg.prefetch_policy == "stale":
             self.stage(scores)
-        else:
-            blocks, slots, valid = plan(layer, scores, cfg.max_fetch_blocks)
-            layer.cache.host.fetch(layer.layer_idx, blocks, layer.pool_k, layer.pool_v, slots, valid,
-                                   cfg.kernel_backend, self.programs())
-        layer.cache.host.prefetch_hint(layer.layer_idx, scores, layer.table.num_slots)  # remote tier: pull ahead
+            return scores, None
+        return scores, plan(layer, scores, cfg.max_fetch_blocks)
+
+    def fetch(self, delta: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """Gather the planned blocks from host into the layer's pool slots (`choose`'s result)."""
+        layer = self.layer
+        blocks, slots, valid = delta
+        layer.cache.host.fetch(layer.layer_idx, blocks, layer.pool_k, layer.pool_v, slots, valid,
+                               layer.config.kernel_backend, self.programs())
 
     def programs(self) -> int | None:
         """Program cap of the job's gather: `fetch_programs` when the job runs beside the step (prefetch on), none
