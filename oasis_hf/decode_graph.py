@@ -142,7 +142,7 @@ class DecodeGraph:
         device = torch.device(device)
         if device.type != "cuda":
             return None
-        prefetcher = self.cache.prefetcher(device)
+        prefetcher = self.cache.runtime(device).prefetcher
         prefetcher.gather_stream.wait_stream(prefetcher.stream)
         self._forked[device, "gather"] = prefetcher.gather_stream
         return prefetcher.gather_stream
