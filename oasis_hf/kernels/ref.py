@@ -71,6 +71,9 @@ def sparse_attention_ref(
     allowed = allowed[:, :, None].expand(-1, -1, group, -1, -1).reshape_as(scores)
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows -> zeros
+    # Keys nobody may see are never read, as in the kernel's masked loads: an empty slot or a position past the
+    # sequence may hold anything (a preallocated buffer's uninitialised memory), and 0 * NaN would be NaN.
+    values = values.masked_fill(~key_ok[..., None], 0.0)
     out = torch.einsum("bhmn,bhnd->bhmd", probs, values)
     out = out.reshape(batch, num_q_heads, num_tokens, head_dim).transpose(1, 2)
     return out.to(query.dtype)

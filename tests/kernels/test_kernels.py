@@ -118,6 +118,30 @@ def test_sparse_attention_kernel_matches_twin(case, dtype):
     _check_kernel(case, dtype, "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sparse_attention_never_reads_what_no_query_may_see(backend):
+    """Positions past the sequence and empty slots may hold anything (a preallocated buffer is uninitialised): NaN
+    there changes nothing, in the twin as in the kernel's masked loads."""
+    if backend == "triton" and not (TRITON_AVAILABLE and (torch.cuda.is_available() or INTERPRET)):
+        pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1 (set by .ci/run)")
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() and not INTERPRET else "cpu"
+    query, pool_k, pool_v, slot_block, seq_len, kv_start, scale = make_inputs((2, 4, 2, 1, 16, 3, 8, 37), torch.float32)
+    slot_block[1, 0, 0] = -1  # an empty slot
+    bs = pool_k.shape[3]
+    poisoned_k, poisoned_v = pool_k.clone(), pool_v.clone()
+    for pool in (poisoned_k, poisoned_v):
+        pool[1, 0, 0] = float("nan")
+        tail = (slot_block[..., : pool.shape[2]] == (seq_len - 1) // bs).nonzero()  # the tail block's slot
+        for b, h, s in tail.tolist():
+            pool[b, h, s, seq_len % bs or bs :] = float("nan")  # positions past the sequence
+    attend = sparse_attention if backend == "triton" else sparse_attention_ref
+    moved = [t.to(device) if isinstance(t, torch.Tensor) else t for t in (query, slot_block, kv_start)]
+    clean = attend(moved[0], pool_k.to(device), pool_v.to(device), moved[1], seq_len, moved[2], scale)
+    dirty = attend(moved[0], poisoned_k.to(device), poisoned_v.to(device), moved[1], seq_len, moved[2], scale)
+    assert not dirty.isnan().any()
+    torch.testing.assert_close(dirty, clean, atol=0, rtol=0)
+
+
 @needs_triton
 @pytest.mark.parametrize("max_programs", [None, 1, 2])
 def test_copy_rows_kernel_matches_twin(max_programs):
