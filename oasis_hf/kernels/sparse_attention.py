@@ -48,7 +48,6 @@ if triton is not None:
         M_PART,
         L_PART,
         SEQ_LEN,
-        scale,
         num_slots,
         slots_per_split,
         stride_qb,
@@ -72,6 +71,9 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
+        # A constant, not an argument: Inductor types a Python-float argument of a user Triton kernel as fp64 when
+        # a compiled model calls this kernel (the dense-graphed baseline does), which would make the scores fp64.
+        SCALE: tl.constexpr,
         DOT_FP32: tl.constexpr,
         IEEE: tl.constexpr,
     ):
@@ -103,9 +105,9 @@ if triton is not None:
             if DOT_FP32:
                 k = k.to(tl.float32)
             if IEEE:  # float32 operands on the GPU: no silent tf32
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BLOCK_M, BLOCK_SIZE)
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * SCALE  # (BLOCK_M, BLOCK_SIZE)
             else:
-                s = tl.dot(q, tl.trans(k)) * scale
+                s = tl.dot(q, tl.trans(k)) * SCALE
             allowed = key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -237,13 +239,13 @@ def sparse_attention(
     grid = (batch * num_kv_heads, num_splits)
     _sparse_attention_kernel[grid](
         query, pool_k, pool_v, slot_block, kv_start, o_part, m_part, l_part,
-        seq_len, scale, num_slots, slots_per_split,
+        seq_len, num_slots, slots_per_split,
         query.stride(0), query.stride(1), query.stride(2),
         pool_k.stride(0), pool_k.stride(1), pool_k.stride(2), pool_k.stride(3),
         pool_v.stride(0), pool_v.stride(1), pool_v.stride(2), pool_v.stride(3),
         slot_block.stride(0), slot_block.stride(1),
         H_KV=num_kv_heads, GROUP=group, NUM_TOKENS=num_tokens, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_M=block_m, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        BLOCK_M=block_m, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, SCALE=float(scale),
         DOT_FP32=INTERPRET or query.dtype == torch.float32,
         IEEE=not INTERPRET and query.dtype == torch.float32,
     )  # fmt: skip

@@ -184,6 +184,16 @@ def test_sparse_attention_gpu_large(dtype):
 
 
 @pytest.mark.gpu
+def test_sparse_attention_inside_torch_compile_matches_twin():
+    """A compiled function that calls the kernel (the dense-graphed baseline's compiled model does) gets the eager
+    result: Inductor types a Python-float kernel argument as fp64, so the softmax scale is a constant instead."""
+    args = make_inputs((2, 28, 4, 1, 128, 16, 32, 1500), torch.bfloat16, "cuda")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: sparse_attention(*a) * 1.0, dynamic=False)
+    torch.testing.assert_close(compiled(*args), sparse_attention(*args), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
 def test_copy_rows_reads_and_writes_pinned_host_memory():
     host = torch.randn(64, 4096).pin_memory()
     dev = torch.zeros(16, 4096, device="cuda")
