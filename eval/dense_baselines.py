@@ -190,7 +190,8 @@ def _graph(fn, device: torch.device):
 
 @torch.inference_mode()
 def dense_graphed_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                           graphs: bool = True, compiled: bool = False) -> tuple[torch.Tensor, float]:
+                           graphs: bool = True, compiled: bool = False,
+                           capacity: int | None = None) -> tuple[torch.Tensor, float]:
     """Greedy generation the dense-graphed way, end to end: a prefill over a `DynamicCache`, its K/V copied into
     preallocated buffers, then every decode step one replay of a captured forward whose attention (our Triton
     split-K kernel, the PyTorch twin on the CPU) reads the length from device memory, so one graph serves every
@@ -198,12 +199,17 @@ def dense_graphed_generate(model, input_ids: torch.Tensor, attention_mask: torch
     tokens per sequence, like ``min_new_tokens=max_new_tokens`` in ``generate``.
 
     `compiled`: every decode step runs the model through ``torch.compile`` (compiled in the first step, which runs
-    eagerly before the capture).
+    eagerly before the capture). `capacity`: K/V slots per sequence (default: the prompt plus `max_new_tokens`).
+    ``torch.compile`` specialises on the buffers' shape, so calls that should share one compilation (a warm-up
+    and the timed call after it) pass the same `capacity`; a new one recompiles, tens of seconds on a GPU.
 
     Returns ``(sequences (B, L + max_new_tokens), seconds to the first token)``.
     """
     device = input_ids.device
     batch, length = input_ids.shape
+    needed = length + max_new_tokens
+    if capacity is not None and capacity < needed:
+        raise ValueError(f"capacity={capacity} is below the prompt ({length}) plus max_new_tokens ({max_new_tokens})")
     t0 = time.perf_counter()
     cache = DynamicCache(config=model.config)
     prompt_positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)  # as generate
@@ -213,7 +219,7 @@ def dense_graphed_generate(model, input_ids: torch.Tensor, attention_mask: torch
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     ttft = time.perf_counter() - t0
-    decode = PrefixDecode(model, batch, length + max_new_tokens, kernel="triton")
+    decode = PrefixDecode(model, batch, capacity or needed, kernel="triton")
     for layer, k, v in zip(cache.layers, decode.keys, decode.values, strict=True):
         k[:, :, :length].copy_(layer.keys)
         v[:, :, :length].copy_(layer.values)

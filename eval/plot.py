@@ -189,11 +189,12 @@ def plot_remote_memory(payload: dict, path: Path) -> Path | None:
 
 
 def plot_e2e(payload: dict, path: Path) -> Path | None:
-    """New tokens/s of each end-to-end method, grouped by batch size (rows that failed are left out)."""
+    """New tokens/s of each end-to-end method, grouped by batch size (rows that failed, or that carry an ``invalid``
+    reason, are left out)."""
     plt = pyplot_or_none()
     if plt is None:
         return None
-    rows = [r for r in payload["rows"] if isinstance(r.get("new tokens/s"), (int, float))]
+    rows = [r for r in payload["rows"] if isinstance(r.get("new tokens/s"), (int, float)) and "invalid" not in r]
     batches = sorted({r["batch"] for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
     fig, ax = plt.subplots(figsize=(8, 4.2))

@@ -528,6 +528,35 @@ def test_dense_graphed_generate_compiled_gives_the_same_tokens():
     assert torch.equal(out, ref)
 
 
+def test_dense_graphed_generate_compiled_reuses_its_compilation_at_one_capacity():
+    """A warm-up and a longer timed call at the same `capacity` share one compilation (the end-to-end bench relies on
+    it: a recompile in the timed row is tens of seconds on a GPU); a capacity too small for the call is refused."""
+    import pytest
+    import torch
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch._inductor.async_compile import shutdown_compile_workers
+
+    from eval.dense_baselines import dense_graphed_generate
+    from tests._factories import tiny_model
+    from tests.test_generate import left_padded
+
+    model = tiny_model("llama")
+    ids, mask = left_padded([70, 51])
+    try:
+        dense_graphed_generate(model, ids, mask, max_new_tokens=4, compiled=True, capacity=70 + 40)
+        graphs = counters["stats"]["unique_graphs"]
+        out, _ = dense_graphed_generate(model, ids, mask, max_new_tokens=40, compiled=True, capacity=70 + 40)
+        assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled again
+        ref, _ = dense_graphed_generate(model, ids, mask, max_new_tokens=40)
+        assert torch.equal(out, ref)
+        with pytest.raises(ValueError, match="capacity=100 is below"):
+            dense_graphed_generate(model, ids, mask, max_new_tokens=40, compiled=True, capacity=100)
+    finally:
+        torch._dynamo.reset()
+        shutdown_compile_workers()
+
+
 def test_accuracy_rows_count_every_gpu_byte_of_their_method():
     """The memory columns of the accuracy tables: Qwen2.5-Coder-1.5B (28 layers, 2 KV heads of 128, bf16) at 16k
     tokens: dense keeps the prompt's KV (448 MiB); OasisKV @2048 its pool (56 MiB) plus mean+minmax summaries of

@@ -1,0 +1,51 @@
+"""eval.bench_e2e's row bookkeeping on the CPU (the benchmark itself needs the real models and a GPU)."""
+
+import torch
+import torch._dynamo
+from torch._inductor.async_compile import shutdown_compile_workers
+
+from eval.bench_e2e import run_row
+
+
+class _Tokenizer:
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return [" ".join(map(str, row.tolist())) for row in ids]
+
+
+def _row(fn):
+    inputs = {"input_ids": torch.zeros(2, 3, dtype=torch.long)}
+    return run_row("method", fn, inputs, _Tokenizer(), keys=["1", "9"], new_tokens=2)
+
+
+def test_a_row_that_compiles_during_its_timed_call_is_marked_invalid():
+    """A timed call that runs torch.compile (a warm-up that missed a shape) measures a compilation, not the method:
+    its row says so, and one that only reuses what was compiled does not."""
+
+    def step(x):
+        return x * 2 + 1
+
+    compiled = torch.compile(step, dynamic=False)
+
+    def generate(width):
+        def fn():
+            new = compiled(torch.ones(2, width, dtype=torch.long))[:, :2]
+            return torch.cat([torch.zeros(2, 3, dtype=torch.long), new], dim=1), None, None
+        return fn
+
+    try:
+        first = _row(generate(4))
+        again = _row(generate(4))
+        other = _row(generate(5))
+    finally:
+        torch._dynamo.reset()
+        shutdown_compile_workers()
+    assert "compilation" in first["invalid"] and "invalid" not in again and "compilation" in other["invalid"]
+    assert again["pass keys found"] == "0/2" and again["new tokens/s"] > 0
+
+
+def test_a_failing_row_records_its_error_and_no_figures():
+    def fn():
+        raise RuntimeError("out of memory")
+
+    row = _row(fn)
+    assert row["error"] == "RuntimeError: out of memory" and "seconds" not in row
