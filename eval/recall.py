@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 from pathlib import Path
 
@@ -105,7 +106,7 @@ def main() -> None:
 
 
 def config_fields(parser: argparse.ArgumentParser, pairs: list[str], budgets: list[int]) -> dict:
-    """``--config FIELD=VALUE ...`` as OasisConfig keyword arguments (ints, floats, true/false and none parsed),
+    """``--config FIELD=VALUE ...`` as OasisConfig keyword arguments (ints, floats, true/false, none and JSON parsed),
     checked against `OasisConfig` at every budget before any model is loaded."""
     names = {f.name for f in dataclasses.fields(oasis_hf.OasisConfig)}
     fields = {}
@@ -129,6 +130,8 @@ def _value(text: str):
         return lowered == "true"
     if lowered == "none":
         return None
+    if text[:1] in "{[":  # a mapping or list, e.g. layer_budget_tokens={"0": 640}
+        return json.loads(text)
     for kind in (int, float):
         try:
             return kind(text)
@@ -140,6 +143,8 @@ def _value(text: str):
 def run_row(args, model, tokenizer, draft, budget: int, loop: str, label: str, selector: str, fields: dict) -> dict:
     """One selector under one decoding loop, over ``--trials`` prompts: mean attention mass and top-S recall."""
     mass, topk, correct, narrowed = [], [], 0.0, 0
+    layer_mass: dict[int, list[float]] = {}
+    layer_topk: dict[int, list[float]] = {}
     samples = task_samples(args.task, args.context, args.trials, tokenizer) if args.task else None
     for trial in range(args.trials):
         if samples:
@@ -160,12 +165,19 @@ def run_row(args, model, tokenizer, draft, budget: int, loop: str, label: str, s
         if stats["recall_steps"]:  # a generation that ended in its first forward has no decode step
             mass.append(stats["mass_recall"])
             topk.append(stats["topk_recall"])
+            for idx, value in stats["layer_mass_recall"].items():
+                layer_mass.setdefault(idx, []).append(value)
+            for idx, value in stats["layer_topk_recall"].items():
+                layer_topk.setdefault(idx, []).append(value)
         correct += string_match_all(text, expected)
     mean_mass = sum(mass) / len(mass) if mass else "no decode step"
     logger.info("budget %d, %s loop, %s: mass %s", budget, loop, label, mean_mass)
     return {"budget": budget, "decoding": loop, "method": label, "attention mass on resident": mean_mass,
             "oracle top-S recall": sum(topk) / len(topk) if topk else "no decode step",
-            found_column(args): f"{correct:g}/{args.trials}", "jobs narrowed": narrowed}
+            found_column(args): f"{correct:g}/{args.trials}", "jobs narrowed": narrowed,
+            # Per layer index, averaged over the trials: where the selection loses attention (`report`'s second table).
+            "layer mass": {i: sum(v) / len(v) for i, v in sorted(layer_mass.items())},
+            "layer top-S recall": {i: sum(v) / len(v) for i, v in sorted(layer_topk.items())}}
 
 
 def found_column(args) -> str:
@@ -183,6 +195,21 @@ def _speculative(model, draft, tokenizer, prompt: str, cache, new_tokens: int, d
     return tokenizer.decode(out.sequences[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
+def layer_table(rows: list[dict]) -> str:
+    """Oracle top-S recall per layer (rows) and measured row (columns), as markdown; empty without measurements."""
+    measured = [row for row in rows if row.get("layer top-S recall")]
+    if not measured:
+        return ""
+    layers = sorted({i for row in measured for i in row["layer top-S recall"]})
+    names = [f"{row['method']} @{row['budget']} ({row['decoding']})" for row in measured]
+    lines = ["", "", "Oracle top-S recall per layer:", "", "| layer | " + " | ".join(names) + " |",
+             "|---|" + "---|" * len(names)]
+    for i in layers:
+        cells = [f"{row['layer top-S recall'][i]:.3f}" if i in row["layer top-S recall"] else "" for row in measured]
+        lines.append(f"| {i} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def report(args, model, rows: list[dict], final: bool) -> None:
     """Write the table and JSON (and, once finished, print them and draw the figure)."""
     env = environment()
@@ -195,7 +222,7 @@ def report(args, model, rows: list[dict], final: bool) -> None:
                       if any(row["decoding"] == loop for row in rows)) + "\n"
     columns = ["budget", "decoding", "method", "attention mass on resident", "oracle top-S recall", found_column(args),
                "jobs narrowed"]
-    table = header + markdown_table(rows, columns)
+    table = header + markdown_table(rows, columns) + layer_table(rows)
     if final:
         print(table)
     if args.out is not None:

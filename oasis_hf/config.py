@@ -45,6 +45,17 @@ class OasisConfig:
         Use 16 at budgets of 1,024 and below (with ``sink_tokens=16, recent_tokens=64``).
     budget_tokens : int
         GPU KV budget per (sequence, KV head, layer) in tokens; a multiple of `block_size`. Default 2048.
+    layer_budget_tokens : dict[int, int] | None
+        Budgets of single layers that differ from `budget_tokens`, as ``{layer index: tokens}`` (the model's layer
+        index, a full-attention layer; each a multiple of `block_size` with the same lower bound as
+        `budget_tokens`). Layers are not equally sparse (Qwen2.5-Coder-0.5B at 4k tokens, 320 resident: the first
+        and last three layers keep 0.72-0.83 of their attention mass, the middle ones 0.89-0.97), so more slots
+        there (a budget that covers the context makes a layer exact) and fewer elsewhere can keep more attention
+        mass at the same total; ``eval.recall`` reports the recall per layer to
+        see where it is lost, ``eval.layer_budgets`` turns that into budgets at the same total. Every slot is
+        allocated up front and counted in `OasisCache.device_nbytes`; a layer of more than 512 slots plans its
+        delta with the PyTorch twin of the planner kernel (slower, the same plan). Stored as a tuple of
+        ``(layer, tokens)`` pairs, sorted; see `layer_budget`. Default None (every layer `budget_tokens`).
     sink_tokens : int
         Tokens at the start of each sequence that are always resident (attention sinks); a multiple of
         `block_size`. Default 32.
@@ -176,6 +187,7 @@ class OasisConfig:
 
     block_size: int = 32
     budget_tokens: int = 2048
+    layer_budget_tokens: Any = None
     sink_tokens: int = 32
     recent_tokens: int = 128
     selector: str = "current-query"
@@ -231,6 +243,7 @@ class OasisConfig:
                 f"must be >= sink_tokens + recent_tokens + 2*block_size = {floor}; "
                 "raise budget_tokens or lower sink_tokens/recent_tokens",
             )
+        self._check_layer_budgets(bad, floor)
         if self.selector not in SELECTORS:
             raise bad("selector", self.selector, f"choose one of {sorted(SELECTORS)}")
         if self.summary not in SUMMARY_KINDS:
@@ -294,11 +307,41 @@ class OasisConfig:
         ):
             raise bad("host_memory_limit_bytes", self.host_memory_limit_bytes, "use a positive int, or None")
 
+    def _check_layer_budgets(self, bad, floor: int) -> None:
+        """Normalise `layer_budget_tokens` (a mapping or pairs, e.g. from JSON) to sorted pairs, and check them."""
+        spec = self.layer_budget_tokens
+        if spec is None:
+            return
+        try:
+            pairs = [tuple(item) for item in (spec.items() if isinstance(spec, dict) else spec)]
+            pairs = [(int(layer) if isinstance(layer, str) and layer.isdigit() else layer, tokens)
+                     for layer, tokens in pairs]  # JSON turns int keys into strings
+        except (TypeError, ValueError):
+            raise bad("layer_budget_tokens", spec, "use a dict {layer index: tokens}") from None
+        bs = self.block_size
+        for layer, tokens in pairs:
+            if not _is_int(layer) or layer < 0:
+                raise bad("layer_budget_tokens", spec, f"layer {layer!r} is not a non-negative int layer index")
+            if not _is_int(tokens) or tokens % bs or tokens < floor:
+                raise bad("layer_budget_tokens", spec, f"layer {layer}'s budget {tokens!r} must be a multiple of "
+                          f"block_size={bs} and >= sink_tokens + recent_tokens + 2*block_size = {floor}")
+        if len({layer for layer, _ in pairs}) != len(pairs):
+            raise bad("layer_budget_tokens", spec, "a layer is named twice")
+        object.__setattr__(self, "layer_budget_tokens", tuple(sorted(pairs)) or None)
+
+    def layer_budget(self, layer_idx: int) -> int:
+        """The GPU KV budget of layer `layer_idx` in tokens (`layer_budget_tokens`, else `budget_tokens`)."""
+        return dict(self.layer_budget_tokens or ()).get(layer_idx, self.budget_tokens)
+
     # Derived sizes, in blocks.
     @property
     def budget_blocks(self) -> int:
-        """Block slots per (sequence, KV head, layer) on the GPU."""
+        """Block slots per (sequence, KV head, layer) on the GPU (layers without a budget of their own)."""
         return self.budget_tokens // self.block_size
+
+    def layer_budget_blocks(self, layer_idx: int) -> int:
+        """Block slots per (sequence, KV head) of layer `layer_idx` on the GPU."""
+        return self.layer_budget(layer_idx) // self.block_size
 
     @property
     def sink_blocks(self) -> int:

@@ -13,8 +13,8 @@ marked with a reference to this layer; the ``"oasis"`` attention function then c
 - **whole-step** (inside `oasis_hf.DecodeGraph`'s forward): the same device work reading the step's position from
   device memory, the job forked onto the prefetch stream (`_graph_step`).
 
-Per (sequence, KV head) the pool never holds more than ``S = budget_tokens // block_size`` blocks: the sinks (first
-real blocks), the recent window (last blocks, new tokens included) and the selected blocks.
+Per (sequence, KV head) the pool never holds more than ``S`` blocks (the layer's budget over ``block_size``): the
+sinks (first real blocks), the recent window (last blocks, new tokens included) and the selected blocks.
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ class OasisLayer(CacheLayerMixin):
         self._cache = weakref.ref(cache)  # the cache owns its layers: no cycle, a dropped cache is freed at once
         self.layer_idx = layer_idx
         self.config = cache.config
+        #: Block slots per (sequence, KV head) on the GPU: ``S`` (`OasisConfig.layer_budget_blocks`).
+        self.budget_blocks = cache.config.layer_budget_blocks(layer_idx)
         self.length = 0
         self._pending: tuple | None = None  # this forward's (start, end, chunk), or ("whole-step", start, end)
         self._deferred_write = False  # this forward's host write-back runs inside the decode step
@@ -104,7 +106,7 @@ class OasisLayer(CacheLayerMixin):
         cfg = self.config
         self.batch_size, self.num_kv_heads, _, self.head_dim = key_states.shape
         self.device, self.dtype = key_states.device, key_states.dtype
-        shape = (self.batch_size, self.num_kv_heads, cfg.budget_blocks, cfg.block_size, self.head_dim)
+        shape = (self.batch_size, self.num_kv_heads, self.budget_blocks, cfg.block_size, self.head_dim)
         try:
             self.pool_k = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.pool_v = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -112,10 +114,11 @@ class OasisLayer(CacheLayerMixin):
             nbytes = 2 * math.prod(shape) * key_states.element_size()
             raise DeviceMemoryError(
                 f"OasisCache layer {self.layer_idx}: the block pool needs {nbytes / 2**20:.1f} MiB on {self.device} "
-                "and the allocation failed; lower OasisConfig.budget_tokens or the batch size"
+                "and the allocation failed; lower OasisConfig.budget_tokens (or this layer's "
+                "layer_budget_tokens) or the batch size"
             ) from exc
-        capacity = max(cfg.budget_blocks, self.cache.host_capacity_blocks)
-        self.table = BlockTable(self.batch_size, self.num_kv_heads, cfg.budget_blocks, capacity, self.device)
+        capacity = max(self.budget_blocks, self.cache.host_capacity_blocks)
+        self.table = BlockTable(self.batch_size, self.num_kv_heads, self.budget_blocks, capacity, self.device)
         self.summaries = BlockSummaries(
             cfg.summary, self.batch_size, self.num_kv_heads, capacity, self.head_dim, self.dtype, self.device
         )
@@ -153,7 +156,7 @@ class OasisLayer(CacheLayerMixin):
             # attends exactly over the whole sequence read back from host; shorter forwards (decode, draft
             # verification) take the sparse step.
             forced = cfg.sink_blocks + max(cfg.recent_blocks, cfg.blocks(end) - start // cfg.block_size)
-            chunk = forced > cfg.budget_blocks or end - start > cfg.dense_chunk_tokens
+            chunk = forced > self.budget_blocks or end - start > cfg.dense_chunk_tokens
         self.cache.reserve(end)
         # A forward that will run as a captured graph writes its rows to host inside the graph; anything else
         # (prefill, CPU, eager steps) writes back here, on a side stream.

@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 
 class OasisCache(Cache):
-    """KV cache with the full KV in host memory and at most ``budget_tokens`` per sequence and layer on the GPU.
+    """KV cache with the full KV in host memory and at most ``budget_tokens`` per sequence and layer on the GPU
+    (`OasisConfig.layer_budget_tokens` gives single layers budgets of their own).
 
     Parameters
     ----------
@@ -88,6 +89,13 @@ class OasisCache(Cache):
                 )
         if not any(isinstance(layer, OasisLayer) for layer in layers):
             raise UnsupportedError("the model has no full-attention layer for OasisCache to manage; use DynamicCache")
+        managed = [idx for idx, layer in enumerate(layers) if isinstance(layer, OasisLayer)]
+        unknown = [idx for idx, _ in config.layer_budget_tokens or () if idx not in managed]
+        if unknown:
+            raise UnsupportedError(
+                f"OasisConfig.layer_budget_tokens names layer(s) {unknown}, which this model's cache does not manage: "
+                f"its full-attention layers are {managed} (sliding-window layers keep their window)"
+            )
         self.selector = get_selector(config.selector)
         self.host: BlockStore | None = None  # HostKVStore, or a RemoteBlockStore after oasis_hf.remote.attach
         self.host_pool = host_pool

@@ -76,7 +76,7 @@ def prefill_chunk(layer: OasisLayer, query, key, value, attention_mask, scale: f
     # blocks (given a last chunk of at least `prefill_window_tokens` tokens).
     layer.score_memory.zero_()
     plan(layer, prefill_scores(layer, query, full_k, scale, start, end), max_fetch=None)
-    resident = layer.table.slot_block[..., : cfg.budget_blocks]
+    resident = layer.table.slot_block[..., : layer.budget_blocks]
     index = resident.clamp(0, num_blocks - 1)[..., None, None].expand(-1, -1, -1, bs, layer.head_dim)
     keep = (resident >= 0)[..., None, None]
     layer.pool_k.copy_(torch.where(keep, blocks_k.gather(2, index), layer.pool_k))

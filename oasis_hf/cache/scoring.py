@@ -100,7 +100,7 @@ def measure_recall(layer: OasisLayer, query: torch.Tensor, scale: float) -> None
     if layer.device.type == "cuda":
         torch.cuda.current_stream(layer.device).synchronize()  # the graph's host write-back has landed
     mass = exact_block_mass(layer, query, scale)  # (B, H_kv, NB_cap), rows summed
-    num_slots = layer.config.budget_blocks
+    num_slots = layer.budget_blocks
     resident = layer.table.slot_block[..., :num_slots]
     held = torch.where(resident >= 0, mass.gather(-1, resident.clamp(min=0)), 0.0)
     mass_recall = (held.sum(-1) / mass.sum(-1).clamp_min(1e-30)).mean()
@@ -108,7 +108,4 @@ def measure_recall(layer: OasisLayer, query: torch.Tensor, scale: float) -> None
     wanted = top_mass > 0
     hit = (top[..., :, None] == resident[..., None, :]).any(-1) & wanted
     topk_recall = (hit.sum(-1) / wanted.sum(-1).clamp_min(1)).float().mean()
-    stats = layer.cache.stats
-    stats.recall_steps += 1
-    stats.mass_recall_sum += float(mass_recall)
-    stats.topk_recall_sum += float(topk_recall)
+    layer.cache.stats.record_recall(layer.layer_idx, float(mass_recall), float(topk_recall))

@@ -208,10 +208,11 @@ class SelectionJobs:
 
     def _stage_width(self) -> int:
         """Proposal entries kept: the fetch cap plus the blocks that are always resident (their misses are forced)."""
-        cfg = self.layer.config
+        layer = self.layer
+        cfg = layer.config
         if cfg.max_fetch_blocks is None:
-            return cfg.budget_blocks
-        return min(cfg.budget_blocks, cfg.max_fetch_blocks + cfg.sink_blocks + cfg.recent_blocks)
+            return layer.budget_blocks
+        return min(layer.budget_blocks, cfg.max_fetch_blocks + cfg.sink_blocks + cfg.recent_blocks)
 
     def commit_staged(self) -> None:
         """At the start of a step: commit the last job's proposal if it has finished (its entries revalidated against

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,6 +30,8 @@ class OasisStats:
     recall_steps: int = 0  # layer-steps measured (OasisConfig.measure_recall)
     mass_recall_sum: float = 0.0
     topk_recall_sum: float = 0.0
+    #: Per layer index: [layer-steps measured, attention mass on resident summed, top-S recall summed].
+    layer_recall: dict[int, list[float]] = field(default_factory=dict)
     _counts: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)  # [prefilled, fetched]
     #: Waits for outstanding jobs: a weak reference to the cache's `wait` (the stats must not keep the cache alive),
     #: set by the cache that owns these statistics.
@@ -49,7 +52,17 @@ class OasisStats:
         """Add the blocks fetched this step (in place; safe inside graph capture once `counters` exists)."""
         self.counters(valid.device)[1].add_(valid.sum())
 
-    def summary(self) -> dict[str, float]:
+    def record_recall(self, layer_idx: int, mass_recall: float, topk_recall: float) -> None:
+        """One measured layer-step (`OasisConfig.measure_recall`): its mass share and top-S recall."""
+        self.recall_steps += 1
+        self.mass_recall_sum += mass_recall
+        self.topk_recall_sum += topk_recall
+        sums = self.layer_recall.setdefault(layer_idx, [0, 0.0, 0.0])
+        sums[0] += 1
+        sums[1] += mass_recall
+        sums[2] += topk_recall
+
+    def summary(self) -> dict[str, Any]:
         """Plain numbers; outstanding selection jobs are waited for first, so their fetches are counted."""
         wait = self.drain() if self.drain is not None else None
         if wait is not None:
@@ -75,4 +88,7 @@ class OasisStats:
             "recall_steps": self.recall_steps,
             "mass_recall": self.mass_recall_sum / self.recall_steps if self.recall_steps else None,
             "topk_recall": self.topk_recall_sum / self.recall_steps if self.recall_steps else None,
+            # Per layer index (ascending): the same two shares over that layer's measured steps.
+            "layer_mass_recall": {i: s[1] / s[0] for i, s in sorted(self.layer_recall.items())},
+            "layer_topk_recall": {i: s[2] / s[0] for i, s in sorted(self.layer_recall.items())},
         }

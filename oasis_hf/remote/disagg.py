@@ -116,8 +116,8 @@ def attach(model_config, tier: MooncakeTier, request: str, device: torch.device 
         tokens, 4 cut the pulls a job waits for by 56% for 1.5x the bytes (eval/results/remote_smollm2_2k).
     free_on_close : remove the request's objects from the pool when the cache is closed (request finished).
     overrides : `OasisConfig` fields to change from the published config (e.g. ``kernel_backend``, ``prefetch``);
-        the layout fields (``block_size``, ``budget_tokens``, ``sink_tokens``, ``recent_tokens``, ``summary``) must
-        stay as published.
+        the layout fields (``block_size``, ``budget_tokens``, ``layer_budget_tokens``, ``sink_tokens``,
+        ``recent_tokens``, ``summary``) must stay as published.
 
     Returns the cache and the `extra` dict given to `publish`. Decode with the model as usual
     (``model(next_token, past_key_values=cache)`` or ``generate``); close the cache when the request is done.
@@ -130,11 +130,12 @@ def attach(model_config, tier: MooncakeTier, request: str, device: torch.device 
     if meta.get("version") != FORMAT_VERSION:
         raise RemoteTierError(f"request {request!r} was published in format {meta.get('version')}, expected "
                               f"{FORMAT_VERSION}; publish it again with this oasis_hf version")
-    layout = ("block_size", "budget_tokens", "sink_tokens", "recent_tokens", "summary")
-    fixed = [name for name in layout if name in overrides and overrides[name] != meta["config"][name]]
+    layout = ("block_size", "budget_tokens", "layer_budget_tokens", "sink_tokens", "recent_tokens", "summary")
+    published = OasisConfig.from_dict(meta["config"])
+    config = dataclasses.replace(published, **overrides)
+    fixed = [name for name in layout if getattr(config, name) != getattr(published, name)]
     if fixed:
-        raise UnsupportedError(f"{fixed} must stay as published ({[meta['config'][n] for n in fixed]})")
-    config = dataclasses.replace(OasisConfig.from_dict(meta["config"]), **overrides)
+        raise UnsupportedError(f"{fixed} must stay as published ({[getattr(published, n) for n in fixed]})")
     if not get_selector(config.selector).asynchronous:
         raise UnsupportedError(
             f"selector {config.selector!r} fetches inside the decode step, which cannot wait on the network; a "
@@ -147,7 +148,7 @@ def attach(model_config, tier: MooncakeTier, request: str, device: torch.device 
         raise UnsupportedError(f"request {request!r} has layers {sorted(meta['layers'])}, the model {layer_ids}")
     bs, length = config.block_size, meta["length"]
     num_blocks = blocks_for(length, bs)
-    max_fetch = config.max_fetch_blocks or config.budget_blocks
+    max_fetch = config.max_fetch_blocks or max(layer.budget_blocks for layer in cache.oasis_layers)
     if hot_blocks is None:
         hot_blocks = max(2 * max_fetch * len(layer_ids), max_fetch * meta["batch_size"] * meta["num_kv_heads"])
     ring = config.recent_blocks + blocks_for(GRAPH_MAX_TOKENS, bs) + 2
@@ -166,8 +167,8 @@ def attach(model_config, tier: MooncakeTier, request: str, device: torch.device 
                          num_kv_heads=meta["num_kv_heads"], head_dim=meta["head_dim"], dtype=meta["dtype"],
                          kv_start=meta["kv_start"], length=length)  # fmt: skip
             layer.restore(state, device)
-            resident = layer.table.slot_block[..., : config.budget_blocks]
-            slots = torch.arange(config.budget_blocks, device=device).expand_as(resident)
+            resident = layer.table.slot_block[..., : layer.budget_blocks]
+            slots = torch.arange(layer.budget_blocks, device=device).expand_as(resident)
             cache.host.fetch(layer.layer_idx, resident.clamp(min=0), layer.pool_k, layer.pool_v, slots, resident >= 0,
                              config.kernel_backend)
             if length % bs:  # the partial last block: its next rows arrive in the ring, its first ones from here

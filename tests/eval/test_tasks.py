@@ -391,7 +391,8 @@ def test_recall_bench_on_suite_task_prompts(tmp_path, monkeypatch):
     base = ["eval.recall", "--model", str(folder), "--context", "600", "--budgets", "256", "--task", "vt",
             "--new-tokens", "4", "--loops", "prompt-lookup", "--methods", "lookahead", "--device", "cpu",
             "--out", str(out)]
-    fields = ["block_size=16", "sink_tokens=16", "recent_tokens=64", "score_decay=0.9", "max_fetch_blocks=none"]
+    fields = ["block_size=16", "sink_tokens=16", "recent_tokens=64", "score_decay=0.9", "max_fetch_blocks=none",
+              'layer_budget_tokens={"1": 1024}']
     monkeypatch.setattr(sys, "argv", [*base, "--config", *fields])
     built, real_cache = [], recall.oasis_hf.OasisCache
     monkeypatch.setattr(recall.oasis_hf, "OasisCache",
@@ -404,10 +405,14 @@ def test_recall_bench_on_suite_task_prompts(tmp_path, monkeypatch):
     assert all(0.0 <= r["attention mass on resident"] <= 1.0 and r["vt score"].endswith("/1") for r in rows)
     # --config reaches every row's OasisConfig (the row's own summary kept) and the recorded arguments.
     assert [c.summary for c in built] == ["mean", "minmax", "mean+minmax"] and all(c.measure_recall for c in built)
-    assert all((c.block_size, c.sink_tokens, c.recent_tokens, c.score_decay, c.max_fetch_blocks)
-               == (16, 16, 64, 0.9, None) for c in built)
+    assert all((c.block_size, c.sink_tokens, c.recent_tokens, c.score_decay, c.max_fetch_blocks,
+                c.layer_budget_tokens) == (16, 16, 64, 0.9, None, ((1, 1024),)) for c in built)
     assert payload["args"]["config"]["block_size"] == 16
-    assert "block_size=16" in out.with_suffix(".md").read_text()
+    # The recall per layer: layer 1's budget covers the prompt, so it holds all of the attention there.
+    assert all(set(r["layer top-S recall"]) == {"0", "1"} for r in rows)
+    assert all(r["layer mass"]["1"] == pytest.approx(1.0) and r["layer mass"]["0"] < 0.999 for r in rows)
+    table = out.with_suffix(".md").read_text()
+    assert "block_size=16" in table and "Oracle top-S recall per layer" in table and "\n| 1 | 1.000 |" in table
     # A field that is not OasisConfig's, or a value it refuses, stops before any model is loaded.
     monkeypatch.setattr(recall.models, "load", lambda *a, **k: pytest.fail("loaded a model despite a bad --config"))
     for bad in ("blocks=16", "block_size=24", "selector=static"):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from oasis_hf import PrefetchError, RemoteTierError, UnsupportedError
+from oasis_hf import OasisConfig, PrefetchError, RemoteTierError, UnsupportedError
 from oasis_hf.remote import MooncakeCluster, MooncakeTier, attach, mooncake_available
 from tests._factories import oasis_cache, tiny_model
 from tests.remote._remote_worker import prompt_ids
@@ -61,8 +61,9 @@ def local_run(model, cache, steps):
     return out
 
 
-@pytest.mark.parametrize("fields", [dict(budget_tokens=4096, selector="lookahead"), SMALL],
-                         ids=["budget-covers-context", "small-budget"])
+@pytest.mark.parametrize("fields", [dict(budget_tokens=4096, selector="lookahead"), SMALL,
+                                    dict(SMALL, layer_budget_tokens={1: 256})],
+                         ids=["budget-covers-context", "small-budget", "layer-budgets"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_prefill_and_decode_processes_match_one_process(cluster, fields, device):
     """On CUDA the decode steps are captured graphs that write new rows into the pinned tail ring."""
@@ -77,7 +78,14 @@ def test_prefill_and_decode_processes_match_one_process(cluster, fields, device)
     store = cache.host
     keys = store.request_keys()
     assert store.pushed_count > 0  # completed blocks went back to the pool
-    if fields is SMALL:
+    # The per-layer budgets as published, and each layer's pool sized by its own.
+    assert cache.config.layer_budget_tokens == OasisConfig(layer_budget_tokens=fields.get("layer_budget_tokens")
+                                                           ).layer_budget_tokens
+    assert [layer.budget_blocks for layer in cache.oasis_layers] == [cache.config.layer_budget_blocks(i)
+                                                                     for i in range(2)]
+    assert [layer.pool_k.shape[2] for layer in cache.oasis_layers] == [layer.budget_blocks
+                                                                       for layer in cache.oasis_layers]
+    if fields["budget_tokens"] < 4096:
         assert store.pulled_blocks > 0 and cache.stats.summary()["fetched_blocks"] > 0
         assert store.ahead_pulled > 0  # the network thread pulled likely blocks ahead of need
     if device == "cuda":
@@ -107,6 +115,8 @@ def test_missing_block_and_request_are_named(cluster):
         attach(model.config, tier, request, "cpu")
     with pytest.raises(UnsupportedError, match="asynchronous selector"):
         attach(model.config, tier, request, "cpu", selector="current-query")
+    with pytest.raises(UnsupportedError, match=r"\['layer_budget_tokens'\] must stay as published \(\[None\]\)"):
+        attach(model.config, tier, request, "cpu", layer_budget_tokens={0: 256})
     names = ["state", *(f"B{n}" for n in range(10))]
     tier.remove([f"{request}/meta"] + [f"{request}/L{i}/{name}" for i in range(2) for name in names])
     tier.close()
