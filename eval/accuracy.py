@@ -605,6 +605,9 @@ def memory_columns(row: dict, shapes: dict) -> dict:
     target, length = shapes["model"], row["length"]
     per_token = 2 * target["layers"] * target["kv_heads"] * target["head_dim"] * target["element_bytes"]
     kept = length if fields.get("dense") else min(length, int(row["budget"]))
+    # Layers with budgets of their own (`layer_budget_tokens`): each holds up to its budget instead of the row's.
+    own = dict(fields.get("layer_budget_tokens") or {})
+    kept += sum(min(length, int(tokens)) - kept for tokens in own.values()) / target["layers"]
     out = {"target KV MiB/seq": kept * per_token / 2**20}
     if not fields.get("dense") and "press" not in fields:
         block = fields.get("block_size", 32)

@@ -557,7 +557,7 @@ def test_dense_graphed_generate_compiled_reuses_its_compilation_at_one_capacity(
         shutdown_compile_workers()
 
 
-def test_accuracy_rows_count_every_gpu_byte_of_their_method():
+def test_accuracy_rows_count_every_gpu_byte_of_their_method(monkeypatch):
     """The memory columns of the accuracy tables: Qwen2.5-Coder-1.5B (28 layers, 2 KV heads of 128, bf16) at 16k
     tokens: dense keeps the prompt's KV (448 MiB); OasisKV @2048 its pool (56 MiB) plus mean+minmax summaries of
     blocks of 16 (3 x 1,024 blocks: 42 MiB) plus, with the 0.5B draft (24 layers, 2 KV heads of 64), the draft's
@@ -575,6 +575,13 @@ def test_accuracy_rows_count_every_gpu_byte_of_their_method():
     press = memory_columns(row | {"method": "kvpress SnapKV (query-aware)"}, shapes)
     assert press == {"target KV MiB/seq": 56.0, "GPU total MiB/seq": 56.0}
     assert memory_columns(row | {"method": "a method of an older run"}, shapes) == {}
+    # Layers with budgets of their own: two layers at 16k (one covering the prompt, one capped by it) and one at 512.
+    import eval.accuracy as accuracy
+
+    own = {"layer_budget_tokens": {0: 16384, 1: 32768, 2: 512}}
+    monkeypatch.setitem(accuracy.METHODS, "per-layer", accuracy.METHODS["lookahead (draft model)"] | own)
+    layered = memory_columns(row | {"method": "per-layer"}, shapes)
+    assert layered["target KV MiB/seq"] == pytest.approx((25 * 2048 + 2 * 16384 + 512) * 2 * 2 * 128 * 2 / 2**20)
 
 
 def test_yarn_context_stretches_the_rotary_embedding_for_long_rows_only():
