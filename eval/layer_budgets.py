@@ -61,14 +61,20 @@ def predicted(curve: dict[int, float], budget: int) -> float:
     return points[-1][1]
 
 
-def allocate(curves: dict[int, dict[int, float]], budget: int, block_size: int) -> dict[int, int]:
+def allocate(curves: dict[int, dict[int, float]], budget: int, block_size: int, low: int | None = None,
+             high: int | None = None) -> dict[int, int]:
     """Per-layer budgets (tokens, multiples of `block_size`) summing to ``budget * len(curves)``: greedy, one block
-    at a time to the layer with the largest predicted gain in mass (ties: the lower layer)."""
-    low = max(min(c) for c in curves.values())
-    high = min(max(c) for c in curves.values())
+    at a time to the layer with the largest predicted gain in mass (ties: the lower layer), each layer between `low`
+    and `high` (default: the smallest and largest measured budgets)."""
+    measured = (max(min(c) for c in curves.values()), min(max(c) for c in curves.values()))
+    low = measured[0] if low is None else low
+    high = measured[1] if high is None else high
+    if not measured[0] <= low <= high <= measured[1] or low % block_size or high % block_size:
+        raise ValueError(f"the bounds {low}..{high} must be multiples of the block size {block_size} within the "
+                         f"measured budgets {measured[0]}..{measured[1]}")
     if budget % block_size or not low <= budget <= high:
-        raise ValueError(f"--budget {budget} must be a multiple of the block size {block_size} within the measured "
-                         f"budgets {low}..{high}")
+        raise ValueError(f"--budget {budget} must be a multiple of the block size {block_size} within the bounds "
+                         f"{low}..{high}")
     out = {layer: low for layer in curves}
     spare = (budget - low) * len(curves)
     while spare > 0:
@@ -86,6 +92,10 @@ def main() -> None:
     parser.add_argument("calibration", type=Path, help="an eval.recall JSON with rows at two or more budgets")
     parser.add_argument("--budget", type=int, required=True, help="the uniform budget whose total is redistributed")
     parser.add_argument("--block-size", type=int, required=True, help="OasisConfig.block_size of the run")
+    parser.add_argument("--low", type=int, default=None,
+                        help="no layer below this budget (default: the smallest measured budget)")
+    parser.add_argument("--high", type=int, default=None,
+                        help="no layer above this budget (default: the largest measured budget)")
     parser.add_argument("--method", default=None, help="the eval.recall row label to use (default: the only one)")
     parser.add_argument("--decoding", default=None, help="the eval.recall decoding loop (default: the only one)")
     parser.add_argument("--out", type=Path, default=None)
@@ -94,7 +104,7 @@ def main() -> None:
     calibration = json.loads(args.calibration.read_text())
     try:
         curves = mass_curves(calibration["rows"], args.method, args.decoding)
-        budgets = allocate(curves, args.budget, args.block_size)
+        budgets = allocate(curves, args.budget, args.block_size, args.low, args.high)
     except ValueError as error:
         parser.error(str(error))
     rows = [{"layer": layer, "budget": budgets[layer], "mass at uniform": predicted(curve, args.budget),
@@ -102,8 +112,9 @@ def main() -> None:
     uniform = sum(r["mass at uniform"] for r in rows) / len(rows)
     ours = sum(r["predicted mass"] for r in rows) / len(rows)
     layer_budget_tokens = {layer: b for layer, b in budgets.items() if b != args.budget}
-    table = (f"Per-layer budgets at {args.budget} tokens per layer on average (total {args.budget * len(rows)}), "
-             f"from `{args.calibration}`: mean mass {uniform:.4f} uniform, {ours:.4f} predicted.\n\n"
+    bounds = f", each within {args.low or 'measured'}..{args.high or 'measured'}" if args.low or args.high else ""
+    table = (f"Per-layer budgets at {args.budget} tokens per layer on average (total {args.budget * len(rows)})"
+             f"{bounds}, from `{args.calibration}`: mean mass {uniform:.4f} uniform, {ours:.4f} predicted.\n\n"
              f"`layer_budget_tokens={json.dumps(layer_budget_tokens)}`\n\n"
              + markdown_table(rows, ["layer", "budget", "mass at uniform", "predicted mass"]))
     finish(args, table, {"calibration": str(args.calibration), "calibration_env": calibration.get("env"),

@@ -81,10 +81,20 @@ def main() -> None:
                         help="OasisConfig fields for every row, e.g. the accuracy preset's selection setting: "
                              "block_size=16 sink_tokens=16 recent_tokens=64 prefill_window_tokens=32 score_decay=0.9 "
                              "(a row's own fields, such as its summary, win)")
+    parser.add_argument("--variant", nargs="+", action="append", default=[], metavar="NAME FIELD=VALUE",
+                        help="also run every row with these OasisConfig fields on top of --config, labelled "
+                             "'<method> [NAME]' (repeatable), e.g. --variant layers "
+                             "'layer_budget_tokens={\"0\": 480, \"5\": 160}'; the plain rows run too")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
     args.config = config_fields(parser, args.config, args.budgets)
+    variants = {"": {}}
+    for name, *pairs in args.variant:
+        if name in variants or "=" in name or not pairs:
+            parser.error(f"--variant {name!r}: write a new NAME, then FIELD=VALUE pairs")
+        variants[name] = config_fields(parser, pairs, args.budgets, base=args.config)
+    args.variant = {name: fields for name, fields in variants.items() if name}
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     loops = args.loops or ["greedy", "prompt-lookup"] + (["draft"] if args.draft else [])
     if "draft" in loops and not args.draft:
@@ -100,14 +110,18 @@ def main() -> None:
                     continue
                 if loop == "greedy" and selector == "lookahead":
                     continue  # identical to previous-query with one query per forward
-                rows.append(run_row(args, model, tokenizer, draft, budget, loop, label, selector, fields))
-                report(args, model, rows, final=False)  # a run cut short still leaves its finished rows
+                for name, extra in variants.items():
+                    named = f"{label} [{name}]" if name else label
+                    rows.append(run_row(args, model, tokenizer, draft, budget, loop, named, selector,
+                                        fields | extra))
+                    report(args, model, rows, final=False)  # a run cut short still leaves its finished rows
     report(args, model, rows, final=True)
 
 
-def config_fields(parser: argparse.ArgumentParser, pairs: list[str], budgets: list[int]) -> dict:
+def config_fields(parser: argparse.ArgumentParser, pairs: list[str], budgets: list[int],
+                  base: dict | None = None) -> dict:
     """``--config FIELD=VALUE ...`` as OasisConfig keyword arguments (ints, floats, true/false, none and JSON parsed),
-    checked against `OasisConfig` at every budget before any model is loaded."""
+    checked against `OasisConfig` at every budget (on top of `base`) before any model is loaded."""
     names = {f.name for f in dataclasses.fields(oasis_hf.OasisConfig)}
     fields = {}
     for pair in pairs:
@@ -118,7 +132,7 @@ def config_fields(parser: argparse.ArgumentParser, pairs: list[str], budgets: li
         fields[name] = _value(text)
     for budget in budgets:
         try:
-            oasis_hf.OasisConfig(budget_tokens=budget, **fields)
+            oasis_hf.OasisConfig(budget_tokens=budget, **(base or {}) | fields)
         except (TypeError, ValueError) as error:
             parser.error(f"--config at budget {budget}: {error}")
     return fields
@@ -219,7 +233,9 @@ def report(args, model, rows: list[dict], final: bool) -> None:
               f"tokens, {args.new_tokens} greedy tokens, {args.trials} trial(s)"
               f"{''.join(f', {k}={v}' for k, v in args.config.items())}; `{env['command']}`\n\n")
     header += "".join(f"- `{loop}`: {what}\n" for loop, what in LOOPS.items()
-                      if any(row["decoding"] == loop for row in rows)) + "\n"
+                      if any(row["decoding"] == loop for row in rows))
+    header += "".join(f"- `[{name}]`: {', '.join(f'{k}={v}' for k, v in fields.items())}\n"
+                      for name, fields in args.variant.items()) + "\n"
     columns = ["budget", "decoding", "method", "attention mass on resident", "oracle top-S recall", found_column(args),
                "jobs narrowed"]
     table = header + markdown_table(rows, columns) + layer_table(rows)

@@ -20,6 +20,10 @@ def test_the_budget_moves_to_the_layers_that_gain_most_and_the_total_stays():
     # Per token: layer 0 gains 1.25e-3 up to 320 and 6.3e-4 beyond, layer 1 9.4e-4 then 6e-5, layer 2 nothing. The
     # 480 spare tokens: layer 0 to 320, layer 1 to 320, layer 0 to 480; the saturated layer keeps the minimum.
     assert out == {0: 480, 1: 320, 2: 160}
+    # Bounds keep every layer near the uniform budget: the same order of preference, at most 400 and at least 256.
+    assert layer_budgets.allocate(curves, 320, 16, low=256, high=400) == {0: 384, 1: 320, 2: 256}
+    with pytest.raises(ValueError, match="bounds"):
+        layer_budgets.allocate(curves, 320, 16, low=100)
     # The prediction never falls: each block went where it raised the mean mass most.
     before = sum(layer_budgets.predicted(c, 320) for c in curves.values())
     after = sum(layer_budgets.predicted(c, out[layer]) for layer, c in curves.items())

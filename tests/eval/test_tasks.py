@@ -393,15 +393,18 @@ def test_recall_bench_on_suite_task_prompts(tmp_path, monkeypatch):
             "--out", str(out)]
     fields = ["block_size=16", "sink_tokens=16", "recent_tokens=64", "score_decay=0.9", "max_fetch_blocks=none",
               'layer_budget_tokens={"1": 1024}']
-    monkeypatch.setattr(sys, "argv", [*base, "--config", *fields])
+    monkeypatch.setattr(sys, "argv", [*base, "--config", *fields, "--variant", "slow", "score_decay=0.5"])
     built, real_cache = [], recall.oasis_hf.OasisCache
     monkeypatch.setattr(recall.oasis_hf, "OasisCache",
                         lambda cfg, config: built.append(config) or real_cache(cfg, config))
     recall.main()
     payload = json.loads(out.with_suffix(".json").read_text())
     rows = payload["rows"]
-    assert [r["method"] for r in rows] == ["lookahead", "lookahead, minmax summaries",
-                                           "lookahead, mean+minmax summaries"]
+    names = ["lookahead", "lookahead, minmax summaries", "lookahead, mean+minmax summaries"]
+    assert [r["method"] for r in rows] == [m for n in names for m in (n, f"{n} [slow]")]
+    # A variant's fields go on top of --config (and of the row's own); the plain row keeps --config's.
+    assert [c.score_decay for c in built] == [0.9, 0.5] * 3
+    del built[1::2]
     assert all(0.0 <= r["attention mass on resident"] <= 1.0 and r["vt score"].endswith("/1") for r in rows)
     # --config reaches every row's OasisConfig (the row's own summary kept) and the recorded arguments.
     assert [c.summary for c in built] == ["mean", "minmax", "mean+minmax"] and all(c.measure_recall for c in built)
@@ -419,6 +422,12 @@ def test_recall_bench_on_suite_task_prompts(tmp_path, monkeypatch):
         monkeypatch.setattr(sys, "argv", [*base, "--config", bad])
         with pytest.raises(SystemExit):
             recall.main()
+        monkeypatch.setattr(sys, "argv", [*base, "--variant", "v", bad])
+        with pytest.raises(SystemExit):
+            recall.main()
+    monkeypatch.setattr(sys, "argv", [*base, "--variant", "v"])  # a name without fields
+    with pytest.raises(SystemExit):
+        recall.main()
 
 
 def test_every_accuracy_method_is_a_valid_configuration_at_every_preset_budget():
