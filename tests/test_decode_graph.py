@@ -73,6 +73,28 @@ def test_whole_step_path_equals_ordinary_decoding(family, selector):
     assert stats["decode_layer_steps"] == 20 * 2
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("selector", ["lookahead", "current-query"])
+def test_whole_step_path_with_layer_budgets_equals_ordinary_decoding(selector, device):
+    """Layers of different budgets (`layer_budget_tokens`: 8, 16 and 12 slots): the whole-step path, on CUDA
+    replayed graphs of differently sized pools, picks, fetches and attends as ordinary decoding does."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = tiny_model("llama", layers=3, attn="oasis", device=device, dtype=dtype)
+    ids, mask = left_padded([230, 200], seed=7)
+    ids, mask = ids.to(device), mask.to(device)
+    fields = dict(SMALL, selector=selector, layer_budget_tokens={1: 256, 2: 192})
+
+    def inspect(cache):
+        assert [layer.pool_k.shape[2] for layer in cache.oasis_layers] == [8, 16, 12]
+        for layer in cache.oasis_layers:
+            layer.table.check()
+
+    stats = _graph_path_matches(model, ids, mask, 24, fields, inspect)
+    assert stats["fetched_blocks"] > 0
+    if device == "cuda":
+        assert stats["graph_replays"] > 0
+
+
 @pytest.mark.gpu
 def test_compiled_whole_step_graphs_verify_drafts_on_cuda():
     """compile_model with speculative verification: forwards of several T (a captured graph each, every T warmed
