@@ -10,7 +10,8 @@ and explain how to install it when it is missing.
 """
 
 from oasis_hf.remote.disagg import attach, publish
-from oasis_hf.remote.mooncake import MooncakeCluster, MooncakeTier, mooncake_available
+from oasis_hf.remote.mooncake import MooncakeCluster, MooncakeTier, mooncake_available, mooncake_missing
 from oasis_hf.remote.store import RemoteBlockStore
 
-__all__ = ["MooncakeCluster", "MooncakeTier", "RemoteBlockStore", "attach", "mooncake_available", "publish"]
+__all__ = ["MooncakeCluster", "MooncakeTier", "RemoteBlockStore", "attach", "mooncake_available", "mooncake_missing",
+           "publish"]

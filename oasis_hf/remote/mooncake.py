@@ -25,6 +25,7 @@ import sys
 import time
 import weakref
 from collections.abc import Sequence
+from pathlib import Path
 
 from oasis_hf.errors import RemoteTierError
 
@@ -58,13 +59,37 @@ def _import_store():
     return MooncakeDistributedStore, ReplicateConfig
 
 
-def mooncake_available() -> bool:
-    """Whether the Mooncake client imports and its service binaries are on PATH."""
+SERVICES = ("mooncake_master", "mooncake_client")
+
+
+def service_binary(name: str) -> str | None:
+    """The path of Mooncake's service executable `name`: on PATH, or else next to the running interpreter (where pip
+    puts a virtual environment's executables, which are not on PATH unless the environment is activated)."""
+    found = shutil.which(name)
+    if found is None:
+        beside = Path(sys.executable).parent / name
+        found = str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None
+    return found
+
+
+def mooncake_missing() -> str | None:
+    """What keeps the Mooncake tier from running here (the client library or a service executable), or None."""
     try:
         _import_store()
-    except RemoteTierError:
-        return False
-    return shutil.which("mooncake_master") is not None and shutil.which("mooncake_client") is not None
+    except RemoteTierError as exc:
+        return str(exc)
+    absent = [name for name in SERVICES if service_binary(name) is None]
+    if absent:
+        return (f"Mooncake's service executables {absent} are neither on PATH nor next to {sys.executable}; "
+                "install mooncake-transfer-engine-non-cuda==0.3.13.post1 (CPU) or mooncake-transfer-engine-cuda13 "
+                "(GPU) into this environment")
+    return None
+
+
+def mooncake_available() -> bool:
+    """Whether the Mooncake client imports and its service executables are found (`mooncake_missing` says why
+    not)."""
+    return mooncake_missing() is None
 
 
 def _free_port() -> int:
@@ -114,17 +139,14 @@ class MooncakeCluster:
         return f"127.0.0.1:{self.rpc_port}"
 
     def start(self) -> MooncakeCluster:
-        for binary in ("mooncake_master", "mooncake_client"):
-            if shutil.which(binary) is None:
-                raise RemoteTierError(
-                    f"`{binary}` is not on PATH; install mooncake-transfer-engine-non-cuda==0.3.13.post1 (CPU) or "
-                    "mooncake-transfer-engine-cuda13 (GPU)"
-                )
+        master, client = (service_binary(name) for name in SERVICES)
+        if master is None or client is None:
+            raise RemoteTierError(mooncake_missing() or "Mooncake's service executables are missing")
         env = dict(os.environ, **LOOPBACK_ENV)
         self.rpc_port, self.metrics_port, self.pool_port = _free_port(), _free_port(), _free_port()
         try:
             self.master = subprocess.Popen(
-                ["mooncake_master", "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}",
+                [master, "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}",
                  "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}", "--rpc_thread_num=2",
                  "--logtostderr=true", "--minloglevel=2"],
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
@@ -133,7 +155,7 @@ class MooncakeCluster:
             self._processes.append(self.master)
             _wait_port(self.rpc_port, self.master, "mooncake_master", self.start_timeout_s)
             self.pool = subprocess.Popen(
-                ["mooncake_client", "--host=127.0.0.1", f"--port={self.pool_port}",
+                [client, "--host=127.0.0.1", f"--port={self.pool_port}",
                  f"--global_segment_size={self.pool_bytes}", f"--master_server_address={self.master_address}",
                  "--metadata_server=P2PHANDSHAKE", "--protocol=tcp"],
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,

@@ -14,14 +14,15 @@ import torch
 from transformers import DynamicCache
 
 from oasis_hf import OasisConfig, PrefetchError, RemoteTierError, UnsupportedError
-from oasis_hf.remote import MooncakeCluster, MooncakeTier, attach, mooncake_available
+from oasis_hf.remote import MooncakeCluster, MooncakeTier, attach, mooncake_missing
 from tests._factories import oasis_cache, tiny_model
 from tests.remote._remote_worker import prompt_ids
 
+MISSING = mooncake_missing()
 pytestmark = pytest.mark.skipif(
-    not mooncake_available(),
-    reason="Mooncake Store is not importable: it needs pip install mooncake-transfer-engine-non-cuda==0.3.13.post1 "
-           "(scripts/test.sh installs it) and the system library libibverbs1 (apt-get install libibverbs1; CI does)",
+    MISSING is not None,
+    reason=f"{MISSING} (scripts/test.sh installs the package; the system library libibverbs1 comes from "
+           "apt-get install libibverbs1, which CI runs)",
 )
 
 ROOT = Path(__file__).resolve().parents[2]
