@@ -50,9 +50,10 @@ class OasisConfig:
         index, a full-attention layer; each a multiple of `block_size` with the same lower bound as
         `budget_tokens`). Layers are not equally sparse (Qwen2.5-Coder-0.5B at 4k tokens, 320 resident: the first
         and last three layers keep 0.72-0.83 of their attention mass, the middle ones 0.89-0.97), so more slots
-        there (a budget that covers the context makes a layer exact) and fewer elsewhere can keep more attention
-        mass at the same total; ``eval.recall`` reports the recall per layer to
-        see where it is lost, ``eval.layer_budgets`` turns that into budgets at the same total. Every slot is
+        there (a budget that covers the context makes a layer exact) and fewer elsewhere keep more attention mass at
+        the same total; ``eval.recall`` reports the recall per layer, ``eval.layer_budgets`` turns it into budgets
+        at the same total. More mass is not more accuracy: on that model's suite prompts the mass-driven split
+        scored below the uniform budget (docs/results.md, "Per-layer budgets at the same total"). Every slot is
         allocated up front and counted in `OasisCache.device_nbytes`; a layer of more than 512 slots plans its
         delta with the PyTorch twin of the planner kernel (slower, the same plan). Stored as a tuple of
         ``(layer, tokens)`` pairs, sorted; see `layer_budget`. Default None (every layer `budget_tokens`).
