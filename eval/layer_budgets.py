@@ -55,10 +55,8 @@ def predicted(curve: dict[int, float], budget: int) -> float:
     points = sorted(curve.items())
     if not points[0][0] <= budget <= points[-1][0]:
         raise ValueError(f"budget {budget} lies outside the measured {points[0][0]}..{points[-1][0]}")
-    for (b0, m0), (b1, m1) in zip(points, points[1:], strict=False):
-        if b0 <= budget <= b1:
-            return m0 + (m1 - m0) * (budget - b0) / (b1 - b0)
-    return points[-1][1]
+    (b0, m0), (b1, m1) = next((p, q) for p, q in zip(points, points[1:], strict=False) if budget <= q[0])
+    return m0 + (m1 - m0) * (budget - b0) / (b1 - b0)
 
 
 def allocate(curves: dict[int, dict[int, float]], budget: int, block_size: int, low: int | None = None,

@@ -27,10 +27,8 @@ class OasisStats:
     prefetch_job_host_s: float = 0.0  # host seconds the worker (or caller) spent running / enqueueing jobs
     stale_steps: int = 0  # layer-steps that ran on the blocks already resident because their job was late (stale)
     narrowed_jobs: int = 0  # selection jobs that dropped rejected-draft queries before they started
-    recall_steps: int = 0  # layer-steps measured (OasisConfig.measure_recall)
-    mass_recall_sum: float = 0.0
-    topk_recall_sum: float = 0.0
-    #: Per layer index: [layer-steps measured, attention mass on resident summed, top-S recall summed].
+    #: `OasisConfig.measure_recall`, per layer index: [layer-steps measured, attention mass on resident summed,
+    #: top-S recall summed].
     layer_recall: dict[int, list[float]] = field(default_factory=dict)
     _counts: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)  # [prefilled, fetched]
     #: Waits for outstanding jobs: a weak reference to the cache's `wait` (the stats must not keep the cache alive),
@@ -54,9 +52,6 @@ class OasisStats:
 
     def record_recall(self, layer_idx: int, mass_recall: float, topk_recall: float) -> None:
         """One measured layer-step (`OasisConfig.measure_recall`): its mass share and top-S recall."""
-        self.recall_steps += 1
-        self.mass_recall_sum += mass_recall
-        self.topk_recall_sum += topk_recall
         sums = self.layer_recall.setdefault(layer_idx, [0, 0.0, 0.0])
         sums[0] += 1
         sums[1] += mass_recall
@@ -67,6 +62,7 @@ class OasisStats:
         wait = self.drain() if self.drain is not None else None
         if wait is not None:
             wait()
+        steps, mass, topk = (sum(s[i] for s in self.layer_recall.values()) for i in range(3))
         totals = [0, 0]
         for counts in self._counts.values():
             for i, value in enumerate(counts.tolist()):
@@ -85,9 +81,9 @@ class OasisStats:
             "initial_blocks": totals[0],
             "fetched_blocks": totals[1],
             "fetched_blocks_per_layer_step": totals[1] / max(1, self.decode_layer_steps),
-            "recall_steps": self.recall_steps,
-            "mass_recall": self.mass_recall_sum / self.recall_steps if self.recall_steps else None,
-            "topk_recall": self.topk_recall_sum / self.recall_steps if self.recall_steps else None,
+            "recall_steps": steps,
+            "mass_recall": mass / steps if steps else None,
+            "topk_recall": topk / steps if steps else None,
             # Per layer index (ascending): the same two shares over that layer's measured steps.
             "layer_mass_recall": {i: s[1] / s[0] for i, s in sorted(self.layer_recall.items())},
             "layer_topk_recall": {i: s[2] / s[0] for i, s in sorted(self.layer_recall.items())},
