@@ -28,7 +28,14 @@ import torch
 from eval._common import code_identity, environment, finish, markdown_table, median
 from eval.plot import plot_kernels
 from oasis_hf.cache.block_table import BlockTable
-from oasis_hf.kernels import copy_rows, gather_blocks, sparse_attention, sparse_attention_ref
+from oasis_hf.kernels import (
+    copy_rows,
+    gather_blocks,
+    score_blocks,
+    score_blocks_ref,
+    sparse_attention,
+    sparse_attention_ref,
+)
 from oasis_hf.kernels.plan_blocks import supported as plan_kernel_supported
 
 logger = logging.getLogger("eval.bench_kernels")
@@ -216,6 +223,35 @@ def plan_rows(shapes: list[tuple[int, int, int, int]]) -> list[dict]:
     return rows
 
 
+def score_rows(shapes: list[tuple[int, int, int, int]]) -> list[dict]:
+    """Block scoring of one layer-step (`score_blocks`, mean-key summaries, the selection memory on), Llama-8B heads
+    (32 query heads over 8 KV heads, D 128, bf16), replayed in a CUDA graph; checked against the twin first. Each
+    shape is (B, H_kv, NB, T): NB blocks of 32 scored by T query rows per head."""
+    rows = []
+    for batch, heads, num_blocks, tokens in shapes:
+        gen = torch.Generator(device="cuda").manual_seed(num_blocks + tokens)
+        query = torch.randn(batch, 4 * heads, tokens, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
+        summaries = torch.randn(1, batch, heads, num_blocks, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
+        memory = torch.rand(batch, heads, num_blocks, device="cuda", generator=gen)
+        kv_start = torch.zeros(batch, dtype=torch.long, device="cuda")
+        start = torch.tensor(num_blocks * 32 - 16 - tokens, device="cuda")
+        rules = dict(kind="mean", source="summaries", num_tokens=tokens, block_size=32, sink_blocks=1,
+                     recent_blocks=4, decay=0.9)
+        out = score_blocks(query, summaries, None, memory.clone(), kv_start, start, 128**-0.5, **rules)
+        ref = score_blocks_ref(query, summaries, None, memory.clone(), kv_start, start, 128**-0.5, **rules)
+        finite = torch.isfinite(ref)
+        err = (out[finite] - ref[finite]).abs().max().item() / ref[finite].abs().max().item()
+        same_rules = torch.equal(torch.isfinite(out), finite) and torch.equal(out[~finite], ref[~finite])
+        ms = time_cuda(lambda q=query, s=summaries, m=memory, k=kv_start, st=start, r=rules: score_blocks(
+            q, s, None, m, k, st, 128**-0.5, **r))
+        nbytes = summaries.numel() * summaries.element_size() + 3 * memory.numel() * 4  # memory read, written; out
+        rows.append({"B": batch, "H_kv": heads, "NB": num_blocks, "T": tokens, "us": ms * 1e3,
+                     "MB moved": nbytes / 1e6, "GB/s": nbytes / (ms / 1e3) / 1e9, "rules equal": same_rules,
+                     "max rel err vs twin": err})
+        logger.info("score %s", rows[-1])
+    return rows
+
+
 def _elapsed(begin, end) -> float:
     end.synchronize()
     return begin.elapsed_time(end)
@@ -229,8 +265,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8], help="query tokens per step (1 + drafts)")
     parser.add_argument("--gather-programs", type=int, nargs="*", default=[0, 128, 64, 32, 16, 8, 4],
                         help="program caps of the gather table (0 = no cap); none: skip the table")
-    parser.add_argument("--plan", type=str, nargs="*", default=["8,8,1025,64", "32,8,1025,64", "1,8,2048,64"],
+    parser.add_argument("--plan", type=str, nargs="*",
+                        default=["8,8,1025,64", "16,8,1025,64", "32,8,1025,64", "1,8,2048,64", "1,8,4097,64"],
                         help="shapes B,H_kv,NB,S of the plan table (none: skip it)")
+    parser.add_argument("--score", type=str, nargs="*",
+                        default=["8,8,1025,1", "16,8,1025,1", "1,8,4097,1", "8,8,1025,5"],
+                        help="shapes B,H_kv,NB,T of the scoring table (none: skip it)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -265,7 +305,15 @@ def main() -> None:
                   "delta of 16, table update), each replayed in a CUDA graph; NB 1025 / 4097 = 32k / 128k tokens in "
                   "blocks of 32, S 64 = budget 2048:\n\n")
         table += markdown_table(plans, ["B", "H_kv", "NB", "S", "plans equal", "kernel us", "twin us", "speed-up"])
-    finish(args, table, {"env": env, "copy GB/s": hbm, "rows": rows, "gather": gathers, "plan": plans},
+    scores = score_rows([tuple(int(x) for x in shape.split(",")) for shape in args.score])
+    if scores:
+        table += ("\n\nBlock scoring of one layer-step (`score_blocks`: mean-key summaries, softmax over the blocks, "
+                  "selection memory), replayed in a CUDA graph; bytes: the summaries read once, the memory read and "
+                  "written, the scores written:\n\n")
+        table += markdown_table(scores, ["B", "H_kv", "NB", "T", "us", "MB moved", "GB/s", "rules equal",
+                                         "max rel err vs twin"])
+    finish(args, table, {"env": env, "copy GB/s": hbm, "rows": rows, "gather": gathers, "plan": plans,
+                         "score": scores},
            plot_kernels)
 
 

@@ -132,17 +132,19 @@ if triton is not None:
         tl.store(L_PART + part + BLOCK_M + rows, l1)
 
     @triton.jit
-    def _normaliser(M_PART, L_PART, bh, CHANNEL: tl.constexpr, BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr):
-        """(max, 1 / sum) of every row's softmax over all splits of channel `CHANNEL` (0 and 0 for empty rows)."""
+    def _normaliser(M_PART, L_PART, bh, CHANNEL: tl.constexpr, BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                    SPLITS_P2: tl.constexpr):
+        """(max, 1 / sum) of every row's softmax over all splits of channel `CHANNEL` (0 and 0 for empty rows).
+        Every split's partials load at once as one (SPLITS_P2, BLOCK_M) tile (a loop over 33 splits at batch 1
+        waited on each load in turn)."""
         rows = tl.arange(0, BLOCK_M)
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        for s in range(NUM_SPLITS):
-            m = tl.maximum(m, tl.load(M_PART + ((bh * NUM_SPLITS + s) * 2 + CHANNEL) * BLOCK_M + rows))
+        splits = tl.arange(0, SPLITS_P2)
+        split_ok = (splits < NUM_SPLITS)[:, None]
+        offs = ((bh * NUM_SPLITS + splits)[:, None] * 2 + CHANNEL) * BLOCK_M + rows[None, :]
+        m_all = tl.load(M_PART + offs, mask=split_ok, other=float("-inf"))
+        m = tl.max(m_all, axis=0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
-        total = tl.zeros([BLOCK_M], tl.float32)
-        for s in range(NUM_SPLITS):
-            offs = ((bh * NUM_SPLITS + s) * 2 + CHANNEL) * BLOCK_M + rows
-            total += tl.load(L_PART + offs) * tl.exp(tl.load(M_PART + offs) - m_safe)
+        total = tl.sum(tl.load(L_PART + offs, mask=split_ok, other=0.0) * tl.exp(m_all - m_safe[None, :]), axis=0)
         return m_safe, tl.where(total > 0, 1.0 / tl.maximum(total, 1e-30), 0.0)
 
     @triton.jit(do_not_specialize=["num_cap", "per_split", "sink_blocks", "recent_blocks"])
@@ -152,9 +154,10 @@ if triton is not None:
         stride_qb, stride_qh, stride_qt, stride_sn, stride_sb, stride_sh,
         H_KV: tl.constexpr, GROUP: tl.constexpr, NUM_ROWS_T: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        SOURCE: tl.constexpr, CHANNELS: tl.constexpr, FIRST_BOUND: tl.constexpr, MEAN_AT: tl.constexpr,
-        LO_AT: tl.constexpr, HI_AT: tl.constexpr, START_OFFSET: tl.constexpr, NUM_TOKENS: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, MEMORY: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+        SPLITS_P2: tl.constexpr, SOURCE: tl.constexpr, CHANNELS: tl.constexpr, FIRST_BOUND: tl.constexpr,
+        MEAN_AT: tl.constexpr, LO_AT: tl.constexpr, HI_AT: tl.constexpr, START_OFFSET: tl.constexpr,
+        NUM_TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr, MEMORY: tl.constexpr, DOT_FP32: tl.constexpr,
+        IEEE: tl.constexpr,
     ):  # fmt: skip
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -169,8 +172,9 @@ if triton is not None:
             q, q_pos, q_neg, row_ok, dims, dim_ok = _query_tiles(Q, b, h, stride_qb, stride_qh, stride_qt, GROUP,
                                                                  NUM_ROWS_T, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_FP32)
             base = b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
-            m0, inv0 = _normaliser(M_PART, L_PART, bh, 0, BLOCK_M, NUM_SPLITS)
-            m1, inv1 = _normaliser(M_PART, L_PART, bh, 1, BLOCK_M, NUM_SPLITS)
+            m0, inv0 = _normaliser(M_PART, L_PART, bh, 0, BLOCK_M, NUM_SPLITS, SPLITS_P2)
+            if CHANNELS == 2:
+                m1, inv1 = _normaliser(M_PART, L_PART, bh, 1, BLOCK_M, NUM_SPLITS, SPLITS_P2)
         for n0 in range(lo_blk, hi_blk, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
             in_cap = cols < hi_blk
@@ -206,7 +210,7 @@ def _sm_count(device: torch.device) -> int:
 def _splits(batch_heads: int, num_cap: int, device: torch.device) -> tuple[int, int]:
     """(splits, blocks per split) of a table of `num_cap` blocks: about two programs per SM on the GPU."""
     tiles = max(1, math.ceil(num_cap / _BLOCK_N))
-    target = min(2, tiles) if device.type != "cuda" else math.ceil(2 * _sm_count(device) / batch_heads)
+    target = min(3, tiles) if device.type != "cuda" else math.ceil(2 * _sm_count(device) / batch_heads)
     splits = max(1, min(tiles, target))
     per_split = math.ceil(tiles / splits) * _BLOCK_N
     return math.ceil(num_cap / per_split), per_split
@@ -286,6 +290,6 @@ def score_blocks(
     _scores_kernel[grid](
         query, summaries, raw if raw is not None else out, memory if memory is not None else out, out, kv_start,
         start, m_part, l_part, num_cap, per_split, scale, float(decay), sink_blocks, recent_blocks, *strides,
-        SOURCE=SOURCES.index(source), MEMORY=decay > 0, **common,
+        SPLITS_P2=max(2, triton.next_power_of_2(splits)), SOURCE=SOURCES.index(source), MEMORY=decay > 0, **common,
     )  # fmt: skip
     return out

@@ -136,25 +136,28 @@ if triton is not None:
         stride_ob, stride_ot, stride_oh,
         H_KV: tl.constexpr, GROUP: tl.constexpr, NUM_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        SPLITS_P2: tl.constexpr,
     ):  # fmt: skip
         # out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s over the splits s; rows that see no key are zero.
         # One program per (sequence, KV head) and CHUNK_D head dims: at batch 1 there are only H_kv of the former.
+        # Every split's partials are loaded at once, as one (SPLITS_P2, BLOCK_M[, CHUNK_D]) tile: a loop over the
+        # splits waits for each load in turn, which at 16 splits (batch 1) cost more than the attention itself.
         bh = tl.program_id(0)
         b = bh // H_KV
         h = bh % H_KV
         rows = tl.arange(0, BLOCK_M)
         dims = tl.program_id(1) * CHUNK_D + tl.arange(0, CHUNK_D)
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        for s in range(NUM_SPLITS):
-            m = tl.maximum(m, tl.load(M_PART + (bh * NUM_SPLITS + s) * BLOCK_M + rows))
+        splits = tl.arange(0, SPLITS_P2)
+        split_ok = (splits < NUM_SPLITS)[:, None]
+        part = (bh * NUM_SPLITS + splits)[:, None] * BLOCK_M + rows[None, :]  # (SPLITS_P2, BLOCK_M)
+        m_all = tl.load(M_PART + part, mask=split_ok, other=float("-inf"))
+        m = tl.max(m_all, axis=0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
-        acc = tl.zeros([BLOCK_M, CHUNK_D], tl.float32)
-        denom = tl.zeros([BLOCK_M], tl.float32)
-        for s in range(NUM_SPLITS):
-            part = (bh * NUM_SPLITS + s) * BLOCK_M + rows
-            weight = tl.exp(tl.load(M_PART + part) - m_safe)
-            denom += weight * tl.load(L_PART + part)
-            acc += weight[:, None] * tl.load(O_PART + part[:, None] * BLOCK_D + dims[None, :])
+        weight = tl.exp(m_all - m_safe[None, :])  # 0 for the padding splits and for splits a row saw nothing in
+        denom = tl.sum(weight * tl.load(L_PART + part, mask=split_ok, other=0.0), axis=0)
+        o_all = tl.load(O_PART + part[:, :, None] * BLOCK_D + dims[None, None, :], mask=split_ok[:, :, None],
+                        other=0.0)
+        acc = tl.sum(weight[:, :, None] * o_all, axis=0)
         out = acc / tl.maximum(denom, 1e-30)[:, None]
         g = rows // NUM_TOKENS
         t = rows % NUM_TOKENS
@@ -171,7 +174,7 @@ def _sm_count(device: torch.device) -> int:
 def _num_splits(batch_heads: int, num_slots: int, device: torch.device) -> int:
     """About two programs per SM, each over at least 4 slots (more splits cost the merge more than they gain)."""
     if device.type != "cuda":
-        return min(2, num_slots)  # interpreter: exercise the merge, keep the grid small
+        return min(3, num_slots)  # interpreter: exercise the merge (and its padding to 4 splits), keep the grid small
     sms = _sm_count(device)
     return max(1, min(math.ceil(num_slots / 4), math.ceil(2 * sms / batch_heads)))
 
@@ -251,10 +254,13 @@ def sparse_attention(
     )  # fmt: skip
 
     out = torch.empty(batch, num_tokens, num_q_heads, head_dim, device=dev, dtype=query.dtype)
-    chunk_d = min(block_d, 32)
+    splits_p2 = max(2, triton.next_power_of_2(num_splits))
+    # One program's tile of partials: (splits, rows, CHUNK_D) float32, kept at about 8k elements.
+    chunk_d = max(16, min(block_d, 32, triton.next_power_of_2(8192 // (splits_p2 * block_m))))
     _merge_splits_kernel[(batch * num_kv_heads, block_d // chunk_d)](
         o_part, m_part, l_part, out, out.stride(0), out.stride(1), out.stride(2),
         H_KV=num_kv_heads, GROUP=group, NUM_TOKENS=num_tokens, HEAD_DIM=head_dim, BLOCK_D=block_d, CHUNK_D=chunk_d,
-        BLOCK_M=block_m, NUM_SPLITS=num_splits,
+        BLOCK_M=block_m, NUM_SPLITS=num_splits, SPLITS_P2=splits_p2,
+        num_warps=4 if splits_p2 * block_m * chunk_d <= 8192 else 8,
     )  # fmt: skip
     return out

@@ -423,6 +423,38 @@ def test_plan_blocks_kernel_matches_twin(case, max_fetch):
 
 
 @needs_triton
+@pytest.mark.parametrize("spread", ["last-byte", "negative", "all-equal"])
+def test_plan_blocks_threshold_select_on_close_scores(spread):
+    """The kernel's select of the S-th best score works on the integer form of the scores: scores that differ only
+    in their lowest bits (adjacent floats), negative ones, and a row of equal scores (every block ties) give the
+    twin's plan and table, and every chosen block scores at least the S-th best."""
+    dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+    gen = torch.Generator().manual_seed(len(spread))
+    batch, heads, num_slots, num_blocks = 1, 3, 6, 70
+    ulp = torch.randint(0, 40, (batch, heads, num_blocks), generator=gen, dtype=torch.int32)
+    if spread == "last-byte":
+        scores = (torch.ones(batch, heads, num_blocks).view(torch.int32) + ulp).view(torch.float32)
+    elif spread == "negative":
+        scores = -(torch.full((batch, heads, num_blocks), 3.0).view(torch.int32) + ulp * 3).view(torch.float32)
+    else:
+        scores = torch.full((batch, heads, num_blocks), 0.25)
+    scores[..., 0] = float("inf")
+    tables = [torch.full((batch, heads, num_slots + 1), -1, dtype=torch.long, device=dev),
+              torch.full((batch, heads, num_slots + 1), -float("inf"), device=dev),
+              torch.full((batch, heads, num_blocks + 1), -1, dtype=torch.long, device=dev)]
+    copies = [t.clone() for t in tables]
+    out_k = plan_blocks(scores.to(dev), *copies, 3)
+    out_r = plan_blocks_ref(scores.to(dev), *tables, 3)
+    for name, k, r in zip(("blocks", "slots", "valid"), out_k, out_r, strict=True):
+        assert torch.equal(k, r), f"{name} differs\n{k}\n{r}"
+    for k, r in zip(copies, tables, strict=True):
+        assert torch.equal(k[..., :-1], r[..., :-1])
+    wanted = scores.topk(num_slots, dim=-1).values[..., -1]  # the S-th best score of each head
+    chosen = scores.to(dev).gather(-1, copies[0][..., :num_slots].clamp(min=0)).cpu()
+    assert bool((chosen >= wanted[..., None]).all())
+
+
+@needs_triton
 def test_plan_blocks_rejects_what_it_cannot_plan():
     table = [torch.full((1, 1, 5), -1, dtype=torch.long), torch.zeros(1, 1, 5), torch.full((1, 1, 9), -1)]
     with pytest.raises(ValueError, match="slots"):
