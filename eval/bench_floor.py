@@ -25,7 +25,10 @@ attention, which eagerly are about 30 small kernels per layer-step): ``dense gra
 ``OasisKV ... (whole-step graph, torch.compile)`` (`OasisConfig.compile_model`). Rows carry ``compiled``; the step
 ratio against static compares like with like; ``compile + capture s`` is the time the first steps took.
 
-``python -m eval.bench_floor --compare BEFORE.json AFTER.json OUT.md`` sets two runs' profiles side by side.
+``--fetch-programs 8 16`` runs the fetching OasisKV rows once per cap on the delta gather's programs
+(`OasisConfig.fetch_programs`: fewer programs hold fewer SMs beside the step, more move the delta faster), in the
+same process, each row labelled with its cap. ``python -m eval.bench_floor --compare BEFORE.json AFTER.json OUT.md``
+sets two runs' profiles side by side.
 
 With ``--profile``, the OasisKV static and lookahead rows and the graphed dense row of the profiled points also get a
 kernel-family table (torch.profiler over
@@ -69,7 +72,7 @@ from eval.dense_baselines import (
     hbm_bandwidth,
     kv_bytes_per_token,
 )
-from eval.plot import pyplot_or_none, result_path, save_figure
+from eval.plot import plot_floor
 from oasis_hf.cache.pinned import PinnedPool
 
 logger = logging.getLogger("eval.bench_floor")
@@ -90,6 +93,14 @@ def compile_variants(args) -> list[tuple[bool, str | None]]:
     """(compiled, torch.compile mode) of each variant of the dense-graphed (sdpa) and OasisKV rows."""
     modes = [None if mode == "default" else mode for mode in args.compile_modes]
     return [(compiled, mode) for compiled in COMPILED[args.compile_model] for mode in (modes if compiled else [None])]
+
+
+def fetch_program_variants(args) -> list[tuple[int | None] | None]:
+    """The `OasisConfig.fetch_programs` of each variant of the fetching OasisKV rows: ``[None]`` (the library's
+    default) without ``--fetch-programs``, else one ``(value,)`` per value given (``none``: no cap)."""
+    if not args.fetch_programs:
+        return [None]
+    return [(None if value == "none" else int(value),) for value in args.fetch_programs]
 
 
 def parse_point(text: str) -> tuple[int, int]:
@@ -223,20 +234,24 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
             continue
         selector = {"oasis-lookahead-real": "lookahead"}.get(method, method.removeprefix("oasis-"))
         fields = dict(budget_tokens=args.budget, selector=selector, host_capacity_tokens=host_capacity)
-        if args.fetch_programs is not None:
-            fields["fetch_programs"] = None if args.fetch_programs == "none" else int(args.fetch_programs)
         if method == "oasis-lookahead-real":
             if rate is None:
                 continue
             fields["max_fetch_blocks"] = max(1, math.ceil(rate))
-        for compiled, mode in compile_variants(args):
-            configs.append((method, oasis_hf.OasisConfig(**fields, compile_model=compiled, compile_mode=mode)))
-    for method, cfg in configs:
+        # Static selection moves nothing: one row at the library's cap; the others get one row per --fetch-programs.
+        programs = [None] if method == "oasis-static" else fetch_program_variants(args)
+        for (compiled, mode), cap in [(v, c) for v in compile_variants(args) for c in programs]:
+            extra = {} if cap is None else {"fetch_programs": cap[0]}
+            configs.append((method, oasis_hf.OasisConfig(**fields, **extra, compile_model=compiled, compile_mode=mode),
+                            cap is not None and len(programs) > 1))
+    for method, cfg, labelled in configs:
         kind = "oasis-lookahead" if method == "oasis-lookahead-real" else method
         profile = (args.profile and point in args.profile_points and torch.cuda.is_available()
                    and method in ("oasis-static", "oasis-lookahead", "oasis-lookahead-real"))
         row = attempt(lambda cfg=cfg, kind=kind, profile=profile: oasis_row(
             model, kind, cfg, pool, batch, context, args.warmup, args.repeats, profile), method, kind)
+        if labelled:
+            row["method"] += f", fetch_programs={cfg.fetch_programs}"
         if method == "oasis-lookahead-real":
             row["method"] += f", real-model delta rate ({cfg.max_fetch_blocks} blocks per (seq, head, layer-step))"
             row["note"] = (f"max_fetch_blocks={cfg.max_fetch_blocks}: Qwen2.5-Coder-1.5B's lookahead moved {rate:.2f} "
@@ -300,49 +315,6 @@ def report(args, shape: dict, bandwidth: float, rows: list[dict], final: bool = 
 
 def _profile_cell(entry: dict | None) -> str:
     return "" if entry is None else f"{entry['us per layer-step']:.1f} ({entry['kernels per layer-step']:.1f})"
-
-
-def _short(method: str) -> str:
-    """A legend label: the method without the decode-path note (and the real-rate row without its cap)."""
-    method = method.replace(" (whole-step graph)", "").replace(" (+ mean-key summaries read once)", "")
-    return method.split(" (")[0] if "real-model" in method else method
-
-
-def plot_floor(payload: dict, path: Path) -> Path | None:
-    """Two panels: ms/step against batch at the most common context, and against context at batch 1; one line per
-    method, the same colour in both panels (dense dashed, floors dotted)."""
-    plt = pyplot_or_none()
-    if plt is None:
-        return None
-    rows = [r for r in payload["rows"] if "ms_per_step" in r and r.get("kind") != "dense-compile"]
-    if not rows:
-        return None
-    contexts = [r["context"] for r in rows]
-    common = max(set(contexts), key=contexts.count)
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    colours = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
-    panels = [(axes[0], "batch", lambda r: r["context"] == common, f"context {common}"),
-              (axes[1], "context", lambda r: r["batch"] == 1, "batch 1")]
-    for ax, x_key, keep, title in panels:
-        for method in methods:
-            pts = sorted((r[x_key], r["ms_per_step"]) for r in rows if r["method"] == method and keep(r))
-            if not pts:
-                continue
-            style = ":" if method.startswith("floor") else ("--" if method.startswith("dense") else "-")
-            ax.plot(*zip(*pts, strict=True), style, marker="o", color=colours[method], label=_short(method))
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel(x_key)
-        ax.set_ylabel("ms per decode step (median)")
-        ax.set_title(f"{payload['env'].get('gpu')}, {title}", fontsize=9)
-        ax.grid(alpha=0.3)
-    handles = {}
-    for ax in axes:
-        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
-            handles.setdefault(label, handle)
-    axes[1].legend(list(handles.values()), list(handles), fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
-    return save_figure(fig, plt, result_path(path, ".png"))
 
 
 def profile_table(rows: list[dict]) -> str:
@@ -412,8 +384,9 @@ def main() -> None:
                         default=["default"], help="torch.compile modes of the compiled variants, one variant each "
                         "(OasisConfig.compile_mode; the dense row compiles in the same mode)")
     parser.add_argument("--budget", type=int, default=2048)
-    parser.add_argument("--fetch-programs", default=None,
-                        help="OasisConfig.fetch_programs of the OasisKV rows (a number, or 'none' for no cap); "
+    parser.add_argument("--fetch-programs", nargs="+", default=None,
+                        help="OasisConfig.fetch_programs of the fetching OasisKV rows (numbers, or 'none' for no cap): "
+                             "one row per value, in the same process, labelled with it when there are several; "
                              "default: the library's")
     parser.add_argument("--delta-rate", type=Path, default=None,
                         help="eval.delta_rate JSON: the highest of its plain-decoding rows' blocks per (seq, head, "

@@ -227,6 +227,52 @@ def plot_recall(payload: dict, path: Path) -> Path | None:
                           f"{payload['args'].get('task') or 'pass-key'} prompts")
 
 
+def _floor_label(method: str) -> str:
+    """A legend label: the method without the decode-path note (and the real-rate row without its cap)."""
+    method = method.replace(" (whole-step graph)", "").replace(" (+ mean-key summaries read once)", "")
+    return method.split(" (")[0] if "real-model" in method else method
+
+
+def plot_floor(payload: dict, path: Path) -> Path | None:
+    """Two panels: ms/step against batch at the most common context, and against context at batch 1; one line per
+    method, the same colour in both panels (dense dashed, floors dotted)."""
+    plt = pyplot_or_none()
+    if plt is None:
+        return None
+    rows = [r for r in payload["rows"] if "ms_per_step" in r and r.get("kind") != "dense-compile"]
+    if not rows:
+        return None
+    contexts = [r["context"] for r in rows]
+    # The batch panel's context: the one with the most batches, then one with a batch other than 1 (batch 1 has the
+    # context panel), then the most rows.
+    batches = {c: {r["batch"] for r in rows if r["context"] == c} for c in set(contexts)}
+    common = max(batches, key=lambda c: (len(batches[c]), batches[c] != {1}, contexts.count(c)))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    colours = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    panels = [(axes[0], "batch", lambda r: r["context"] == common, f"context {common}"),
+              (axes[1], "context", lambda r: r["batch"] == 1, "batch 1")]
+    for ax, x_key, keep, title in panels:
+        for method in methods:
+            pts = sorted((r[x_key], r["ms_per_step"]) for r in rows if r["method"] == method and keep(r))
+            if not pts:
+                continue
+            style = ":" if method.startswith("floor") else ("--" if method.startswith("dense") else "-")
+            ax.plot(*zip(*pts, strict=True), style, marker="o", color=colours[method], label=_floor_label(method))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(x_key)
+        ax.set_ylabel("ms per decode step (median)")
+        ax.set_title(f"{payload['env'].get('gpu')}, {title}", fontsize=9)
+        ax.grid(alpha=0.3)
+    handles = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    axes[1].legend(list(handles.values()), list(handles), fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    return save_figure(fig, plt, result_path(path, ".png"))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Redraw the figure of each results JSON given, by the kind of run it holds."""
     for name in argv if argv is not None else sys.argv[1:]:
@@ -244,6 +290,8 @@ def main(argv: list[str] | None = None) -> None:
             print(plot_recall(payload, path))
         elif "new tokens/s" in first:
             print(plot_e2e(payload, path))
+        elif "hbm_bytes_per_s" in payload:  # eval.bench_floor
+            print(plot_floor(payload, path))
         elif "ms/step (median)" in first and "preset" in payload:
             print(plot_decode(payload, path))
         elif "context" in first:

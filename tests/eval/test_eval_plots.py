@@ -25,7 +25,8 @@ def test_sweep_figures_from_committed_results(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["multigpu_8b_2gpu", "capacity_24g_32k", "kernels_h200", "remote_8b_32k",
-                                  "lookahead_decode_8b_b8_32k", "accuracy_cpu_smollm2_2k", "recall_smollm2_2k"])
+                                  "lookahead_decode_8b_b8_32k", "accuracy_cpu_smollm2_2k", "recall_smollm2_2k",
+                                  "floor_compiled_b1_b16_h200"])
 def test_eval_plot_redraws_each_kind_of_result(tmp_path, name, capsys):
     copy = tmp_path / f"{name}.json"
     copy.write_text((RESULTS / f"{name}.json").read_text())
@@ -437,6 +438,28 @@ def test_floor_bench_compiled_rows_carry_their_label_and_logit_check(tmp_path, m
     assert dense["compiled"] and oasis["compiled"] and oasis["step vs static"] == 1
     assert dense["logit check"]["compiled"] and dense["logit check"]["max abs logit diff"] < 1e-4
     assert "dense graphed (sdpa)" not in rows  # only the compiled variants
+
+
+def test_floor_bench_runs_one_row_per_fetch_program_cap(tmp_path, monkeypatch):
+    """Plumbing only, on the CPU: --fetch-programs with several values gives the fetching OasisKV rows one variant
+    each, labelled and configured with its cap, in the same process; static selection (which moves nothing) runs
+    once at the library's cap."""
+    import sys
+
+    from eval import bench_floor
+
+    out = tmp_path / "floor"
+    monkeypatch.setattr(sys, "argv", ["bench_floor", "--device", "cpu", "--shape", "tiny", "--points", "2x300",
+                                      "--budget", "256", "--warmup", "1", "--repeats", "2", "--compile-model", "off",
+                                      "--methods", "oasis-static", "oasis-lookahead", "--fetch-programs", "2", "none",
+                                      "--out", str(out)])
+    bench_floor.main()
+    rows = [r for r in json.loads(out.with_suffix(".json").read_text())["rows"] if r["kind"].startswith("oasis")]
+    assert [(r["kind"], r["fetch_programs"]) for r in rows] == [
+        ("oasis-static", 16), ("oasis-lookahead", 2), ("oasis-lookahead", None)]
+    assert rows[0]["method"] == "OasisKV static @256 (whole-step graph)"
+    assert rows[1]["method"].endswith(", fetch_programs=2") and rows[2]["method"].endswith(", fetch_programs=None")
+    assert all(r["step vs static"] > 0 for r in rows)
 
 
 def test_floor_bench_runs_one_compiled_variant_per_mode_and_labels_it():
