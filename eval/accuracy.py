@@ -58,6 +58,8 @@ from eval._harness import yarn_context
 from eval.plot import plot_accuracy
 from eval.tasks import TASKS, relocate_suite, write_suite
 from oasis_hf import models
+from oasis_hf.config import blocks_for
+from oasis_hf.kernels.ref import SUMMARY_LAYOUT
 
 logger = logging.getLogger("eval.accuracy")
 
@@ -611,8 +613,8 @@ def memory_columns(row: dict, shapes: dict) -> dict:
     out = {"target KV MiB/seq": kept * per_token / 2**20}
     if not fields.get("dense") and "press" not in fields:
         block = fields.get("block_size", 32)
-        keys = {"mean": 1, "minmax": 2, "mean+minmax": 3}[fields.get("summary", "mean")]
-        out["summaries MiB/seq"] = (keys * -(-length // block) * per_token / 2) / 2**20
+        keys = len(SUMMARY_LAYOUT[fields.get("summary", "mean")])
+        out["summaries MiB/seq"] = (keys * blocks_for(length, block) * per_token / 2) / 2**20
     draft = shapes.get("draft")
     if fields.get("draft") and draft:
         out["draft KV MiB/seq"] = (length * 2 * draft["layers"] * draft["kv_heads"] * draft["head_dim"]

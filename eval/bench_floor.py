@@ -74,6 +74,7 @@ from eval.dense_baselines import (
 )
 from eval.plot import plot_floor
 from oasis_hf.cache.pinned import PinnedPool
+from oasis_hf.config import blocks_for
 
 logger = logging.getLogger("eval.bench_floor")
 
@@ -258,7 +259,7 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
                            f"blocks per (seq, head, layer-step) at 16k in plain decoding{rate_note}")
     # The floor: weights + the K/V each method attends over (+ one read of the summaries for scoring selectors).
     # One mean key per block, layer and KV head: per block the bytes of one token's keys.
-    summary_bytes = batch * (-(-context // 32)) * kv_bytes_per_token(model) // 2
+    summary_bytes = batch * blocks_for(context, oasis_hf.OasisConfig().block_size) * kv_bytes_per_token(model) // 2
     rows.append({"method": "floor, dense", "kind": "floor", "batch": batch, "context": context,
                  "ms/step (median)": floor_ms(model, batch, context + 1, bandwidth)})
     rows.append({"method": f"floor, sparse @{args.budget} (+ mean-key summaries read once)", "kind": "floor",

@@ -30,6 +30,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from eval._common import median, percentile, pipelined_ms, time_steps
 from oasis_hf import compat
+from oasis_hf.config import blocks_for
 from oasis_hf.kernels import sparse_attention, sparse_attention_ref, use_triton
 
 logger = logging.getLogger("eval.dense_baselines")
@@ -103,7 +104,7 @@ class PrefixDecode:
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         param = next(model.parameters())
-        capacity = -(-capacity // block_size) * block_size
+        capacity = blocks_for(capacity, block_size) * block_size
         shape = (batch, cfg.num_key_value_heads, capacity, head_dim)
         self.keys = [torch.empty(shape, dtype=param.dtype, device=param.device) for _ in range(cfg.num_hidden_layers)]
         self.values = [torch.empty_like(k) for k in self.keys]
