@@ -96,12 +96,10 @@ def compile_variants(args) -> list[tuple[bool, str | None]]:
     return [(compiled, mode) for compiled in COMPILED[args.compile_model] for mode in (modes if compiled else [None])]
 
 
-def fetch_program_variants(args) -> list[tuple[int | None] | None]:
-    """The `OasisConfig.fetch_programs` of each variant of the fetching OasisKV rows: ``[None]`` (the library's
-    default) without ``--fetch-programs``, else one ``(value,)`` per value given (``none``: no cap)."""
-    if not args.fetch_programs:
-        return [None]
-    return [(None if value == "none" else int(value),) for value in args.fetch_programs]
+def fetch_program_variants(args) -> list[dict]:
+    """The config fields of each variant of the fetching OasisKV rows: ``[{}]`` (the library's `fetch_programs`)
+    without ``--fetch-programs``, else ``{"fetch_programs": value}`` per value given (``none``: no cap)."""
+    return [{"fetch_programs": None if value == "none" else int(value)} for value in args.fetch_programs or []] or [{}]
 
 
 def parse_point(text: str) -> tuple[int, int]:
@@ -240,11 +238,10 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
                 continue
             fields["max_fetch_blocks"] = max(1, math.ceil(rate))
         # Static selection moves nothing: one row at the library's cap; the others get one row per --fetch-programs.
-        programs = [None] if method == "oasis-static" else fetch_program_variants(args)
-        for (compiled, mode), cap in [(v, c) for v in compile_variants(args) for c in programs]:
-            extra = {} if cap is None else {"fetch_programs": cap[0]}
-            configs.append((method, oasis_hf.OasisConfig(**fields, **extra, compile_model=compiled, compile_mode=mode),
-                            cap is not None and len(programs) > 1))
+        caps = [{}] if method == "oasis-static" else fetch_program_variants(args)
+        for (compiled, mode), cap in [(v, c) for v in compile_variants(args) for c in caps]:
+            configs.append((method, oasis_hf.OasisConfig(**fields, **cap, compile_model=compiled, compile_mode=mode),
+                            len(caps) > 1))
     for method, cfg, labelled in configs:
         kind = "oasis-lookahead" if method == "oasis-lookahead-real" else method
         profile = (args.profile and point in args.profile_points and torch.cuda.is_available()
