@@ -5,8 +5,10 @@ time per layer, but the rest of the model (norms, projections, RoPE, MLP, and tr
 still launches eagerly: at batch 8 on an 8B model that is about 20 ms of host time per step, more than the GPU work
 of an OasisKV step. `DecodeGraph` captures the whole forward instead: embeddings to logits, every layer's
 write-back, decode step and (for ``lookahead`` / ``previous-query``) selection job forked onto the prefetch stream
-and joined before the graph ends. A replay costs one launch; the host only copies the inputs, fills the step's
-first position into a device scalar and advances the layers' lengths.
+and joined before the graph ends. A replay costs a few launches: the host copies the inputs (one launch), replays
+and copies the logits out. The step's first position lives in a device scalar that every forward advances by its
+``T`` at its end, so a run of steps of one ``T`` with nothing in between (plain decoding) never writes it from the
+host; after a `OasisCache.crop` or a change of ``T`` (speculative decoding) the host fills it before the replay.
 
 It runs our own decode loops (`oasis_hf.speculative_generate(..., target_graphs=True)`, ``eval.bench_decode``),
 not ``model.generate``. Requirements, checked with a clear error: every cache layer is an `OasisLayer` (no sliding
@@ -102,6 +104,10 @@ class DecodeGraph:
         self._warm: dict[int, tuple[int, int]] = {}  # T -> (the table epoch its eager runs saw, how many ran)
         self._compiled = None  # the model through torch.compile (OasisConfig.compile_model), built on first use
         self._starts: dict[torch.device, torch.Tensor] = {}  # (2,) long per device: the step's first position, end
+        # What the device scalars hold once the queued forwards ran ((first position, end) per device): every forward
+        # advances them by its T, so the host fills them only when the next step starts elsewhere (crop, other T).
+        self._expected: dict[torch.device, tuple[int, int]] = {}
+        self._supported_epoch: int | None = None  # the table epoch `unsupported` last passed at (it is per epoch)
         self._forked: dict[tuple[torch.device, str], torch.cuda.Stream] = {}  # (device, "jobs" | "gather")
         self._pool = None
         self.replays = 0
@@ -156,23 +162,27 @@ class DecodeGraph:
         start = cache.get_seq_length()
         if start == 0:
             raise UnsupportedError("DecodeGraph decodes after a prefill: run the prompt through model(...) first")
-        reason = unsupported(cache)
-        if reason is not None:
-            raise UnsupportedError(reason)
+        if self._supported_epoch != cache.table_epoch:  # what it checks changes only with the epoch (prefill, growth)
+            reason = unsupported(cache)
+            if reason is not None:
+                raise UnsupportedError(reason)
+            self._supported_epoch = cache.table_epoch
         layers = cache.oasis_layers
         device = input_ids.device
         cache.wait()  # jobs of earlier eager steps: finished and ordered before this step
         cache.reserve(start + num_tokens)  # may grow the store: a new table epoch, captured graphs are stale
-        current = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        current = None
         for layer in layers:
             if layer.writeback_event is not None:  # rows an eager step wrote back: landed before this step reads
+                current = current or torch.cuda.current_stream(device)
                 current.wait_event(layer.writeback_event)
                 layer.writeback_event = None
         scalars = self._starts.get(device)
         if scalars is None:
             scalars = self._starts[device] = torch.zeros(2, dtype=torch.long, device=device)
-        scalars[0].fill_(start)  # fill kernels with the values as arguments: no host buffer to race with
-        scalars[1].fill_(start + num_tokens)
+        if self._expected.pop(device, None) != (start, start + num_tokens):  # unknown until this forward succeeds
+            scalars[0].fill_(start)  # fill kernels with the values as arguments: no host buffer to race with
+            scalars[1].fill_(start + num_tokens)
         epoch = cache.table_epoch
         entry = self._graphs.get(num_tokens)
         graphs = device.type == "cuda" and cache.config.cuda_graphs
@@ -183,8 +193,10 @@ class DecodeGraph:
             entry = self._graphs[num_tokens] = self._capture(input_ids, position_ids, epoch)
             logits = self._replay(entry, input_ids, position_ids)
         else:
+            current = torch.cuda.current_stream(device) if device.type == "cuda" else None
             logits = self._eager(input_ids, position_ids, current)
             self._warm[num_tokens] = (epoch, warm_runs + 1 if warm_epoch == epoch else 1)
+        self._expected[device] = (start + num_tokens, start + 2 * num_tokens)  # what the forward left there
         for layer in layers:
             layer.length = start + num_tokens
         self.steps += 1
@@ -222,6 +234,8 @@ class DecodeGraph:
         for (device, _), stream in self._forked.items():
             torch.cuda.current_stream(device).wait_stream(stream)
         self._forked.clear()
+        for scalars in self._starts.values():  # after the joins: every reader of the step's positions is done
+            scalars.add_(input_ids.shape[1])
         return out
 
     def _compiled_model(self):
@@ -271,8 +285,7 @@ class DecodeGraph:
         return _Captured(graph, static_ids, static_pos, logits, epoch)
 
     def _replay(self, entry: _Captured, input_ids, position_ids) -> torch.Tensor:
-        entry.input_ids.copy_(input_ids)
-        entry.position_ids.copy_(position_ids)
+        torch._foreach_copy_([entry.input_ids, entry.position_ids], [input_ids, position_ids])  # one launch
         entry.graph.replay()
         self.replays += 1
         self.cache.stats.graph_replays += len(self.cache.oasis_layers)
