@@ -15,19 +15,19 @@ from tests.test_generate import left_padded
 SMALL = dict(budget_tokens=128, max_fetch_blocks=2)  # 8 slots of 16 per (sequence, head): real eviction and fetches
 
 
-def _decode(model, cache, ids, mask, steps: int, graph: bool, device="cpu") -> torch.Tensor:
+def _decode(model, cache, ids, mask, steps: int, graph: bool, device="cpu", plain_steps=()) -> torch.Tensor:
     """Greedy tokens (B, steps + 1): a prefill forward, then `steps` one-token forwards (through a DecodeGraph or
-    plain ``model(...)``)."""
+    plain ``model(...)``; the steps numbered in `plain_steps` plainly either way)."""
     kwarg = oasis_hf.compat.cache_kwarg(model)
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{kwarg: cache})
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         runner = DecodeGraph(model, cache) if graph else None
         tokens = [token]
-        for _ in range(steps):
+        for step in range(steps):
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             pos = positions(mask, 1)
-            if runner is not None:
+            if runner is not None and step not in plain_steps:
                 logits = runner(token, pos)
             else:
                 logits = model(input_ids=token, attention_mask=mask, position_ids=pos, use_cache=True,
@@ -52,6 +52,34 @@ def _graph_path_matches(model, ids, mask, steps: int, fields: dict, inspect=None
     assert torch.equal(out, ref)
     assert stats["fetched_blocks"] == ref_fetched
     return stats
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_plain_forwards_between_graph_steps(device):
+    """`DecodeGraph` advances the step's position on the device itself and writes it from the host only when a step
+    starts elsewhere: plain forwards between its steps (the cache grows without it) and the steps after them
+    still decode the tokens of plain decoding (on CUDA: replays of one captured graph)."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = tiny_model("llama", attn="oasis", device=device, dtype=dtype)
+    ids, mask = left_padded([200, 170], seed=5)
+    ids, mask = ids.to(device), mask.to(device)
+    fields = dict(SMALL, selector="lookahead")
+
+    def written(cache):  # every layer's keys in the host store: a step at a wrong position writes elsewhere
+        return [cache.host.read_keys(layer.layer_idx, layer.length).float().cpu() for layer in cache.oasis_layers]
+
+    with oasis_cache(model, **fields) as cache:
+        ref = _decode(model, cache, ids, mask, 14, graph=False)
+        ref_keys = written(cache)
+    with oasis_cache(model, **fields) as cache:
+        out = _decode(model, cache, ids, mask, 14, graph=True, plain_steps={4, 5, 9})
+        keys = written(cache)
+        replays = cache.stats.summary()["graph_replays"]
+    assert torch.equal(out, ref)
+    for got, want in zip(keys, ref_keys, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if device == "cuda":
+        assert replays > 0
 
 
 @pytest.mark.parametrize(("family", "selector"), [("llama", "lookahead"), ("llama", "current-query"),
