@@ -174,7 +174,8 @@ class DecodeGraph:
         current = None
         for layer in layers:
             if layer.writeback_event is not None:  # rows an eager step wrote back: landed before this step reads
-                current = current or torch.cuda.current_stream(device)
+                if current is None:
+                    current = torch.cuda.current_stream(device)
                 current.wait_event(layer.writeback_event)
                 layer.writeback_event = None
         scalars = self._starts.get(device)
