@@ -31,6 +31,8 @@ at 16k that the prefill cannot hide).
 Reported per row: seconds (prefill included), new tokens/s over the batch, the time to the first token and the
 decode tokens/s after it (rows through ``model.generate`` and dense graphed), the ratio to greedy DynamicCache at the
 same batch, draft acceptance, whether the output equals greedy DynamicCache's, and how many pass keys came out.
+The draft model is loaded only when a requested row runs it (``--kinds`` without the assisted and speculative rows
+needs the target's weights alone).
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ def batch_prompts(tokenizer, context: int, batch: int, device) -> tuple[dict, li
 HOST_POOL = {"shared": "one PinnedPool shared by the run", "none": "a buffer page-locked afresh in every call"}
 KINDS = ["greedy", "greedy-graphs", "generate-oasis", "dense-graphed", "generate-oasis-compiled",
          "dense-graphed-compiled", "assisted", "speculative", "speculative-target-graphs", "speculative-eager-draft"]
+DRAFT_KINDS = ("assisted", "speculative", "speculative-target-graphs", "speculative-eager-draft")  # need --draft
+
+
+def uses_draft(kinds: list[str] | None) -> bool:
+    """Whether a run of `kinds` (None: all) has a row that runs the draft model; the others need the target alone."""
+    return kinds is None or any(kind in DRAFT_KINDS for kind in kinds)
 
 
 class FirstToken(StoppingCriteria):
@@ -142,7 +150,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = models.load(args.model, device=device)
-    draft = models.load(args.draft, device=device, dtype=model.dtype)[0]
+    draft = models.load(args.draft, device=device, dtype=model.dtype)[0] if uses_draft(args.kinds) else None
     oasis_hf.enable(model)  # dense caches still get dense attention: only OasisCache layers take the oasis path
     n = args.new_tokens
     pool = oasis_hf.PinnedPool() if args.host_pool == "shared" else None
@@ -260,8 +268,10 @@ def finished(batch_rows: list[dict]) -> list[dict]:
 
 def report(args, model, rows: list[dict], final: bool) -> None:
     env = environment()
+    draft = f"draft {args.draft}" if uses_draft(args.kinds) else "no draft (no row of this run uses one)"
     header = (f"Test configuration: {env.get('gpu', 'cpu')}, torch {env['torch']}, transformers {env['transformers']};"
-              f" target {args.model} ({next(model.parameters()).dtype}), draft {args.draft}; pass-key prompts of about "
+              f" target {args.model} ({next(model.parameters()).dtype}), "
+              f"{draft}; pass-key prompts of about "
               f"{args.context} tokens, {args.new_tokens} greedy tokens per sequence, at most {args.drafts} drafts per "
               f"round ({args.draft_schedule} schedule); "
               f"budget {args.budget}; OasisKV host store from {HOST_POOL[args.host_pool]}; `{env['command']}`\n\n")

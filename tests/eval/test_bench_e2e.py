@@ -49,3 +49,13 @@ def test_a_failing_row_records_its_error_and_no_figures():
 
     row = _row(fn)
     assert row["error"] == "RuntimeError: out of memory" and "seconds" not in row
+
+
+def test_the_draft_model_is_loaded_only_for_rows_that_run_it():
+    """A run of the target-only rows (greedy, dense graphed, model.generate over OasisCache) needs no draft weights,
+    so it loads (and needs on disk) the target alone."""
+    from eval.bench_e2e import KINDS, uses_draft
+
+    assert uses_draft(None)
+    assert not uses_draft(["generate-oasis", "dense-graphed", "generate-oasis-compiled", "dense-graphed-compiled"])
+    assert all(uses_draft(["greedy", kind]) for kind in KINDS if kind.startswith(("speculative", "assisted")))
