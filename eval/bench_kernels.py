@@ -13,7 +13,8 @@ The gather table moves what a lookahead job moves at batch 8 (Llama-8B KV shape,
 program cap (`OasisConfig.fetch_programs`), with the fetch kernel `gather_blocks` (one launch, K and V together) and
 the previous path (`copy_rows` twice, offsets precomputed). "alone" is the gather by itself; "beside compute"
 replays it on a second stream while the compute stream runs a decode-like graph (the 8B MLP GEMMs at batch 8 and the
-sparse attention), and reports the gather's bandwidth there and how much it slowed the compute. Prints markdown
+sparse attention), and reports the gather's bandwidth there and how much it slowed the compute. The projection table
+times one Llama-8B layer's weight GEMMs as transformers issues them and with q/k/v and gate/up fused. Prints markdown
 tables and writes JSON.
 """
 
@@ -252,6 +253,46 @@ def score_rows(shapes: list[tuple[int, int, int, int]]) -> list[dict]:
     return rows
 
 
+#: Llama-3.1-8B's per-layer projections (out, in features): what every decode step reads, dense or OasisKV.
+PROJECTIONS = {"q": (4096, 4096), "k": (1024, 4096), "v": (1024, 4096), "o": (4096, 4096), "gate": (14336, 4096),
+               "up": (14336, 4096), "down": (4096, 14336)}
+
+
+def projection_rows(batches: list[int]) -> list[dict]:
+    """One Llama-8B layer's weight GEMMs at `batch` rows (cuBLAS through ``F.linear``), as transformers' Llama issues
+    them (seven GEMMs: q, k, v, o, gate, up, down) and with the projections that read the same input fused (q/k/v in
+    one GEMM, gate/up in one): the same weight bytes in five launches. The GEMMs are two thirds of an OasisKV decode
+    step and most of a dense one, so this is the lever both share."""
+    F = torch.nn.functional
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weights = {name: torch.randn(shape, dtype=torch.bfloat16, device="cuda", generator=gen) * 0.02
+               for name, shape in PROJECTIONS.items()}
+    qkv = torch.cat([weights["q"], weights["k"], weights["v"]])
+    gate_up = torch.cat([weights["gate"], weights["up"]])
+    inner = PROJECTIONS["gate"][0]
+    nbytes = sum(w.numel() * w.element_size() for w in weights.values())
+
+    def separate(x):  # (out, k, v): the layer's output and the K/V projections a cache would store
+        q, k, v = F.linear(x, weights["q"]), F.linear(x, weights["k"]), F.linear(x, weights["v"])
+        h = F.linear(q, weights["o"])
+        return F.linear(F.linear(h, weights["gate"]) * F.linear(h, weights["up"]), weights["down"]), k, v
+
+    def fused(x):
+        q, k, v = F.linear(x, qkv).split([4096, 1024, 1024], dim=-1)
+        gate, up = F.linear(F.linear(q, weights["o"]), gate_up).split([inner, inner], dim=-1)
+        return F.linear(gate * up, weights["down"]), k, v
+
+    rows = []
+    for batch in batches:
+        x = torch.randn(batch, 4096, dtype=torch.bfloat16, device="cuda", generator=gen)
+        err = max((a.float() - b.float()).abs().max().item() for a, b in zip(separate(x), fused(x), strict=True))
+        for name, fn in (("separate (7 GEMMs)", separate), ("q/k/v and gate/up fused (5 GEMMs)", fused)):
+            ms = time_cuda(lambda fn=fn, x=x: fn(x), per_graph=32)
+            rows.append({"batch": batch, "projections": name, "us per layer": ms * 1e3, "MB of weights": nbytes / 1e6,
+                         "GB/s": nbytes / (ms / 1e3) / 1e9, "max abs diff fused vs separate": err})
+    return rows
+
+
 def _elapsed(begin, end) -> float:
     end.synchronize()
     return begin.elapsed_time(end)
@@ -271,6 +312,8 @@ def main() -> None:
     parser.add_argument("--score", type=str, nargs="*",
                         default=["8,8,1025,1", "16,8,1025,1", "1,8,4097,1", "8,8,1025,5"],
                         help="shapes B,H_kv,NB,T of the scoring table (none: skip it)")
+    parser.add_argument("--projections", type=int, nargs="*", default=[1, 8, 16],
+                        help="batches of the weight-GEMM table (one Llama-8B layer; none: skip it)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -312,8 +355,14 @@ def main() -> None:
                   "written, the scores written:\n\n")
         table += markdown_table(scores, ["B", "H_kv", "NB", "T", "us", "MB moved", "GB/s", "rules equal",
                                          "max rel err vs twin"])
+    projections = projection_rows(args.projections) if args.projections else []
+    if projections:
+        table += ("\n\nWeight GEMMs of one Llama-8B layer (cuBLAS, bf16; plus the SwiGLU product), 32 layers per CUDA "
+                  "graph, as transformers' Llama issues them and with the projections that share an input fused:\n\n")
+        table += markdown_table(projections, ["batch", "projections", "us per layer", "MB of weights", "GB/s",
+                                              "max abs diff fused vs separate"])
     finish(args, table, {"env": env, "copy GB/s": hbm, "rows": rows, "gather": gathers, "plan": plans,
-                         "score": scores},
+                         "score": scores, "projections": projections},
            plot_kernels)
 
 
