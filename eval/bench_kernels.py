@@ -269,6 +269,7 @@ def projection_rows(batches: list[int]) -> list[dict]:
                for name, shape in PROJECTIONS.items()}
     qkv = torch.cat([weights["q"], weights["k"], weights["v"]])
     gate_up = torch.cat([weights["gate"], weights["up"]])
+    qkv_split = [PROJECTIONS[name][0] for name in ("q", "k", "v")]
     inner = PROJECTIONS["gate"][0]
     nbytes = sum(w.numel() * w.element_size() for w in weights.values())
 
@@ -278,13 +279,13 @@ def projection_rows(batches: list[int]) -> list[dict]:
         return F.linear(F.linear(h, weights["gate"]) * F.linear(h, weights["up"]), weights["down"]), k, v
 
     def fused(x):
-        q, k, v = F.linear(x, qkv).split([4096, 1024, 1024], dim=-1)
+        q, k, v = F.linear(x, qkv).split(qkv_split, dim=-1)
         gate, up = F.linear(F.linear(q, weights["o"]), gate_up).split([inner, inner], dim=-1)
         return F.linear(gate * up, weights["down"]), k, v
 
     rows = []
     for batch in batches:
-        x = torch.randn(batch, 4096, dtype=torch.bfloat16, device="cuda", generator=gen)
+        x = torch.randn(batch, PROJECTIONS["q"][1], dtype=torch.bfloat16, device="cuda", generator=gen)
         err = max((a.float() - b.float()).abs().max().item() for a, b in zip(separate(x), fused(x), strict=True))
         for name, fn in (("separate (7 GEMMs)", separate), ("q/k/v and gate/up fused (5 GEMMs)", fused)):
             ms = time_cuda(lambda fn=fn, x=x: fn(x), per_graph=32)
