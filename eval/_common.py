@@ -120,6 +120,44 @@ def pipelined_ms(step, repeats: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / repeats
 
 
+#: The flag a benchmark's profiling child runs with (`profiles_from_child`); hidden from its --help.
+PROFILE_CHILD_FLAG = "--profile-in-process"
+
+
+def profiles_from_child(module: str, argv: list[str], tmp: Path) -> list[dict]:
+    """Run benchmark `module` again in a child process that profiles, and return the rows of its JSON.
+
+    A torch.profiler session leaves CUPTI attached to its process: every later launch there is slower (the host's
+    work per graph replay of an OasisKV step grew from about 0.2 to 0.3-0.8 ms on the H200), so a process that
+    profiles must not time anything after it. The parent times without profiling; the child gets the parent's
+    arguments with `PROFILE_CHILD_FLAG` and its own ``--out`` under `tmp`; its timings are discarded, its profiles
+    merged (`merge_profiles`)."""
+    args, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--out":
+            skip = True
+        elif not arg.startswith("--out="):
+            args.append(arg)
+    out = Path(tmp) / "profile_child"
+    subprocess.run([sys.executable, "-m", module, *args, PROFILE_CHILD_FLAG, "--out", str(out)], check=True)
+    return json.loads(result_path(out, ".json").read_text())["rows"]
+
+
+def merge_profiles(rows: list[dict], child_rows: list[dict], key=("method", "batch", "context")) -> int:
+    """Copy each child row's ``"profile"`` into the row of `rows` with the same `key` fields; returns how many."""
+    profiles = {tuple(r.get(k) for k in key): r["profile"] for r in child_rows if "profile" in r}
+    merged = 0
+    for row in rows:
+        profile = profiles.get(tuple(row.get(k) for k in key))
+        if profile is not None:
+            row["profile"] = profile
+            row["profile process"] = "a separate process (torch.profiler slows later launches in its own)"
+            merged += 1
+    return merged
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]

@@ -31,9 +31,11 @@ same process, each row labelled with its cap. ``python -m eval.bench_floor --com
 sets two runs' profiles side by side.
 
 With ``--profile``, the OasisKV static and lookahead rows and the graphed dense row of the profiled points also get a
-kernel-family table (torch.profiler over
-replays: microseconds of GPU time per layer-step by family). Writes ``<out>.json`` (rows of ``method, kind, batch,
-context, ms_per_step`` plus the measurements), ``<out>.md`` and ``<out>.png``.
+kernel-family table (torch.profiler over replays: microseconds of GPU time per layer-step by family). The profiles
+are taken in a child process run with the same arguments once the timings are done: after a torch.profiler session
+CUPTI stays attached to its process and every later launch there is slower, so no timed step follows one.
+Writes ``<out>.json`` (rows of ``method, kind, batch, context, ms_per_step`` plus the measurements), ``<out>.md`` and
+``<out>.png``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import json
 import logging
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,12 +53,15 @@ import torch
 
 import oasis_hf
 from eval._common import (
+    PROFILE_CHILD_FLAG,
     code_identity,
     environment,
     markdown_table,
     median,
+    merge_profiles,
     percentile,
     pipelined_ms,
+    profiles_from_child,
     time_steps,
     write_results,
 )
@@ -216,7 +222,7 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
                              "note": dense_skip})
                 continue
             profile = None
-            if args.profile and point in args.profile_points and kernel == "sdpa" and torch.cuda.is_available():
+            if args.profile_here and point in args.profile_points and kernel == "sdpa" and torch.cuda.is_available():
                 profile = lambda step: profile_families(step, model.config.num_hidden_layers)  # noqa: E731
             row = attempt(lambda k=kernel, p=profile, c=compiled, m=mode: dense_graphed_row(
                 model, batch, context, args.warmup, args.repeats, k, p, compiled=c, mode=m), label, "dense-graphed")
@@ -244,7 +250,7 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
                             len(caps) > 1))
     for method, cfg, labelled in configs:
         kind = "oasis-lookahead" if method == "oasis-lookahead-real" else method
-        profile = (args.profile and point in args.profile_points and torch.cuda.is_available()
+        profile = (args.profile_here and point in args.profile_points and torch.cuda.is_available()
                    and method in ("oasis-static", "oasis-lookahead", "oasis-lookahead-real"))
         row = attempt(lambda cfg=cfg, kind=kind, profile=profile: oasis_row(
             model, kind, cfg, pool, batch, context, args.warmup, args.repeats, profile), method, kind)
@@ -322,7 +328,8 @@ def profile_table(rows: list[dict]) -> str:
     names = [f"{r['kind']}{' compiled' if r.get('compiled') else ''}"
              f"{' ' + r['compile mode'] if r.get('compile mode') else ''} {r['batch']}x{r['context']}"
              for r in profiles]
-    lines = ["GPU time per layer-step by kernel family (torch.profiler, 5 replays; us, kernels):", "",
+    where = ", in a separate process from the timings" if any("profile process" in r for r in rows) else ""
+    lines = [f"GPU time per layer-step by kernel family (torch.profiler, 5 replays{where}; us, kernels):", "",
              "| family | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for label in labels:
         cells = [_profile_cell(r["profile"]["families"].get(label)) for r in profiles]
@@ -396,6 +403,7 @@ def main() -> None:
     parser.add_argument("--host-gib", type=float, default=100.0, help="pinned host memory OasisKV may use")
     parser.add_argument("--profile", action="store_true", help="kernel-family tables for the static and lookahead rows")
     parser.add_argument("--profile-points", nargs="*", default=["8x32512", "1x130560"])
+    parser.add_argument(PROFILE_CHILD_FLAG, action="store_true", help=argparse.SUPPRESS)  # profiles_from_child
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -405,6 +413,12 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     oasis_hf.register()
     on_gpu = args.device.startswith("cuda")
+    # Timings never follow a profiler session in their process: with --profile on the GPU this process times and a
+    # child process (the same arguments) profiles.
+    profile_child = args.profile and on_gpu and not args.profile_in_process
+    args.profile_here = args.profile and not profile_child
+    if args.profile_in_process:  # the profiling child: only the points it profiles
+        args.points = [point for point in args.points if point in args.profile_points]
     if not on_gpu:
         args.shape = "tiny"  # a smoke run of the plumbing (an 8B shape in float32 would not fit a CPU box)
     shape = SHAPES[args.shape]
@@ -422,6 +436,12 @@ def main() -> None:
         rows.extend(run_point(model, args, batch, context, bandwidth, pool, rate, rate_note))
         print(report(args, shape, bandwidth, rows), flush=True)
         pool.clear()
+    if profile_child:
+        del model  # the child loads its own
+        release_memory()
+        with tempfile.TemporaryDirectory() as tmp:
+            merged = merge_profiles(rows, profiles_from_child("eval.bench_floor", sys.argv[1:], Path(tmp)))
+        logger.info("profiles of %d rows taken in a separate process", merged)
     print(report(args, shape, bandwidth, rows, final=True))
 
 

@@ -30,6 +30,8 @@ import cProfile
 import io
 import logging
 import pstats
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,11 +40,14 @@ from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 import oasis_hf
 from eval._common import (
+    PROFILE_CHILD_FLAG,
     code_identity,
     environment,
     markdown_table,
     median,
+    merge_profiles,
     percentile,
+    profiles_from_child,
     synchronize,
     time_steps,
     write_results,
@@ -265,10 +270,12 @@ def main() -> None:
     parser.add_argument("--pin-gib", type=float, default=8.0, help="GiB for the page-locking rows (0: none)")
     parser.add_argument("--prefill-chunk", type=int, default=8192,
                         help="also prefill in chunks of this many tokens (0: no chunked rows)")
-    parser.add_argument("--profile-prefill", action="store_true", help="GPU time by kernel of one prefill each")
+    parser.add_argument("--profile-prefill", action="store_true",
+                        help="GPU time by kernel of one prefill each, taken in a child process after the timings")
     parser.add_argument("--compile-model", choices=["off", "also"], default="off",
                         help="also: the DecodeGraph / model.generate rows and the dense graphed row once more with the "
                              "model through torch.compile (OasisConfig.compile_model)")
+    parser.add_argument(PROFILE_CHILD_FLAG, action="store_true", help=argparse.SUPPRESS)  # profiles_from_child
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -279,6 +286,11 @@ def main() -> None:
     on_gpu = args.device.startswith("cuda")
     if not on_gpu:
         args.shape = "tiny"  # a smoke run of the plumbing
+    # Timings never follow a profiler session in their process: with --profile-prefill on the GPU this process times
+    # and a child process (the same arguments) profiles the prefills, and only them.
+    profile_child = args.profile_prefill and on_gpu and not args.profile_in_process
+    if args.profile_in_process:
+        args.points, args.pin_gib = [], 0
     shape = SHAPES[args.shape]
     model = build_model(shape, args.device, torch.bfloat16 if on_gpu else torch.float32)
     oasis_hf.enable(model)
@@ -311,9 +323,10 @@ def main() -> None:
 
     if on_gpu and args.pin_gib:
         attempt("page-locking", lambda: pin_rows(args.pin_gib))
+    profile_here = args.profile_prefill and not profile_child
     for text in args.prefill_points:
         batch, context = (int(x) for x in text.lower().split("x"))
-        attempt(f"prefill {text}", lambda b=batch, c=context: prefill_rows(model, pool, b, c, args.profile_prefill,
+        attempt(f"prefill {text}", lambda b=batch, c=context: prefill_rows(model, pool, b, c, profile_here,
                                                                                   args.prefill_chunk))
         pool.clear()
     for text in args.points:
@@ -331,6 +344,12 @@ def main() -> None:
                 dense_graphed_row(model, b, c, args.warmup, args.repeats, compiled=k) | {"kind": "decode", "path": p}
             ])
         pool.clear()
+    if profile_child:
+        del model  # the child loads its own
+        release_memory()
+        with tempfile.TemporaryDirectory() as tmp:
+            child = profiles_from_child("eval.bench_generate_path", sys.argv[1:], Path(tmp))
+        merge_profiles(rows, child, key=("kind", "method", "batch", "context"))
     for row in rows:
         if "ms/step (median)" in row:
             row["ms_per_step"] = row["ms/step (median)"]
