@@ -15,6 +15,9 @@ sequence, `oasis_hf.cli.passkey_prompt` with a seed per sequence):
 - the same two with the model through ``torch.compile`` inside the captured graph (``dense-graphed-compiled``,
   ``generate-oasis-compiled``: `OasisConfig.compile_model`); the warm-up compiles, the timed call reuses what
   ``torch.compile`` cached for the model;
+- ``decode_generate, OasisCache lookahead`` (``decode-oasis``, ``decode-oasis-compiled``): the same cache through
+  `oasis_hf.decode_generate`, a bare loop of whole-step graph replays that, like dense graphed's, never waits for a
+  step: against the ``model.generate`` rows it shows what transformers' loop costs;
 - ``greedy, OasisCache current-query``: the same with OasisKV, and through whole-model CUDA graphs
   (`oasis_hf.decode_generate`: the same tokens, one launch per step);
 - ``HF assisted, DynamicCache`` (batch 1 only: transformers refuses larger batches);
@@ -29,7 +32,9 @@ from PyTorch's caching allocator; ``--host-pool none`` page-locks it in every ca
 at 16k that the prefill cannot hide).
 
 Reported per row: seconds (prefill included), new tokens/s over the batch, the time to the first token and the
-decode tokens/s after it (rows through ``model.generate`` and dense graphed), the ratio to greedy DynamicCache at the
+decode tokens/s after it (rows through ``model.generate`` and dense graphed); for ``model.generate`` rows also the
+seconds of the first decode steps (eager steps and graph captures: what each call pays once) and the median step
+after them (`StepClock`, `step_split`), the ratio to greedy DynamicCache at the
 same batch, draft acceptance, whether the output equals greedy DynamicCache's, and how many pass keys came out.
 The draft model is loaded only when a requested row runs it (``--kinds`` without the assisted and speculative rows
 needs the target's weights alone).
@@ -48,7 +53,7 @@ from torch._dynamo.utils import counters
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 import oasis_hf
-from eval._common import code_identity, environment, finish, markdown_table, synchronize, write_results
+from eval._common import code_identity, environment, finish, markdown_table, median, synchronize, write_results
 from eval.dense_baselines import dense_graphed_generate
 from eval.plot import plot_e2e
 from oasis_hf import compat, models
@@ -67,7 +72,8 @@ def batch_prompts(tokenizer, context: int, batch: int, device) -> tuple[dict, li
 
 HOST_POOL = {"shared": "one PinnedPool shared by the run", "none": "a buffer page-locked afresh in every call"}
 KINDS = ["greedy", "greedy-graphs", "generate-oasis", "dense-graphed", "generate-oasis-compiled",
-         "dense-graphed-compiled", "assisted", "speculative", "speculative-target-graphs", "speculative-eager-draft"]
+         "dense-graphed-compiled", "decode-oasis", "decode-oasis-compiled", "assisted", "speculative",
+         "speculative-target-graphs", "speculative-eager-draft"]
 DRAFT_KINDS = ("assisted", "speculative", "speculative-target-graphs", "speculative-eager-draft")  # need --draft
 
 
@@ -76,19 +82,37 @@ def uses_draft(kinds: list[str] | None) -> bool:
     return kinds is None or any(kind in DRAFT_KINDS for kind in kinds)
 
 
-class FirstToken(StoppingCriteria):
-    """Never stops; stamps the time of its first call, after the device finished the work queued so far: the first
-    token exists then (time to first token). Without the synchronisation the stamp is when the host had queued the
-    prefill, which can be long before or after the device ran it."""
+class StepClock(StoppingCriteria):
+    """Never stops; stamps the time of every call, after the device finished the work queued so far (``generate``
+    reads the device every step anyway): the first stamp is the first token (time to first token), the later ones
+    split the decode phase into its first steps (eager steps and graph captures) and the steady steps after them.
+    Without the synchronisation a stamp is when the host had queued the work, which can be long before the device
+    ran it."""
 
     def __init__(self) -> None:
-        self.first: float | None = None
+        self.stamps: list[float] = []
+
+    @property
+    def first(self) -> float | None:
+        return self.stamps[0] if self.stamps else None
 
     def __call__(self, input_ids, scores, **kwargs):
-        if self.first is None:
-            synchronize()
-            self.first = time.perf_counter()
+        synchronize()
+        self.stamps.append(time.perf_counter())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+#: Decode steps counted as the first (warm-up) steps of a call in `step_split`: up to two eager steps, the capture.
+FIRST_STEPS = 4
+
+
+def step_split(stamps: list[float]) -> dict:
+    """``{"first steps s", "steady ms/step"}`` of one call's `StepClock` stamps: the seconds from the first token to
+    the end of the first `FIRST_STEPS` decode steps, and the median step after them (empty when too few)."""
+    if len(stamps) <= FIRST_STEPS + 2:
+        return {}
+    steady = [b - a for a, b in zip(stamps[FIRST_STEPS:], stamps[FIRST_STEPS + 1 :], strict=False)]
+    return {"first steps s": stamps[FIRST_STEPS] - stamps[0], "steady ms/step": 1e3 * median(steady)}
 
 
 @torch.inference_mode()
@@ -98,12 +122,13 @@ def run_row(label: str, fn, inputs, tokenizer, keys, new_tokens: int) -> dict:
     compiled_before = counters["stats"]["unique_graphs"]
     t0 = time.perf_counter()
     try:
-        sequences, stats, first = fn()
+        sequences, stats, clock = fn()
     except Exception as exc:  # noqa: BLE001 - recorded in the table: one failing method must not lose the others
         logger.exception("%s failed", label)
         return {"method": label, "batch": inputs["input_ids"].shape[0], "error": f"{type(exc).__name__}: {exc}"[:200]}
     synchronize()
     seconds = time.perf_counter() - t0
+    first = clock if clock is None or isinstance(clock, float) else clock.first
     new = sequences[:, inputs["input_ids"].shape[1] :]
     texts = tokenizer.batch_decode(new, skip_special_tokens=True)
     batch = new.shape[0]
@@ -112,6 +137,8 @@ def run_row(label: str, fn, inputs, tokenizer, keys, new_tokens: int) -> dict:
            "decode tokens/s": None if first is None else batch * (new_tokens - 1) / max(1e-9, seconds - (first - t0)),
            "pass keys found": f"{sum(k in t for k, t in zip(keys, texts, strict=True))}/{batch}",
            "tokens": new[:, :new_tokens].cpu()}
+    if isinstance(clock, StepClock):
+        row.update(step_split(clock.stamps))
     if counters["stats"]["unique_graphs"] != compiled_before:  # the warm-up should have compiled everything
         row["invalid"] = "torch.compile compiled during the timed call: these seconds include a compilation"
         logger.error("%s, batch %d: %s", label, batch, row["invalid"])
@@ -173,7 +200,7 @@ def main() -> None:
                                                 draft_cuda_graphs=kind != "speculative-eager-draft",
                                                 target_graphs=kind == "speculative-target-graphs")
             return out.sequences, out.stats, None
-        if kind == "greedy-graphs":
+        if kind.startswith("decode-oasis") or kind == "greedy-graphs":
             out = oasis_hf.decode_generate(model, inputs["input_ids"], inputs["attention_mask"], cache=cache,
                                            max_new_tokens=gen["max_new_tokens"], pad_token_id=pad)
             return out, None, None
@@ -186,10 +213,10 @@ def main() -> None:
             return out, None, t0 + ttft
         extra = {"assistant_model": draft} if kind == "assisted" else {}
         cache = cache if cache is not None else DynamicCache(config=model.config)
-        clock = FirstToken()
+        clock = StepClock()
         out = model.generate(**inputs, **gen, **extra, **{compat.cache_kwarg(model): cache},
                              stopping_criteria=StoppingCriteriaList([clock]))
-        return out, None, clock.first
+        return out, None, clock
 
     def warm_up() -> None:
         """A short run of each path at the timed batch and context, outside the timed rows: CUDA context, cuBLAS,
@@ -202,6 +229,7 @@ def main() -> None:
             for kind, selector in (("dense-graphed", None), ("dense-graphed-compiled", None),
                                    ("greedy", "current-query"), ("greedy-graphs", "current-query"),
                                    ("generate-oasis", "lookahead"), ("generate-oasis-compiled", "lookahead"),
+                                   ("decode-oasis", "lookahead"), ("decode-oasis-compiled", "lookahead"),
                                    ("speculative", None), ("speculative", "lookahead"),
                                    ("speculative-target-graphs", "lookahead")):
                 if args.kinds is not None and kind not in args.kinds:
@@ -227,6 +255,10 @@ def main() -> None:
                     ("dense graphed, model through torch.compile", "dense-graphed-compiled", None),
                     (f"model.generate, OasisCache lookahead @{args.budget}, compile_model (whole-step graph of the "
                      "compiled model)", "generate-oasis-compiled", "lookahead"),
+                    (f"decode_generate, OasisCache lookahead @{args.budget} (whole-step graph replays, no per-step "
+                     "sync)", "decode-oasis", "lookahead"),
+                    (f"decode_generate, OasisCache lookahead @{args.budget}, compile_model", "decode-oasis-compiled",
+                     "lookahead"),
                     (f"greedy, OasisCache current-query @{args.budget}", "greedy", "current-query"),
                     (f"greedy, OasisCache current-query @{args.budget}, whole-step graphs (decode_generate)",
                      "greedy-graphs", "current-query")]
@@ -275,7 +307,8 @@ def report(args, model, rows: list[dict], final: bool) -> None:
               f"{args.context} tokens, {args.new_tokens} greedy tokens per sequence, at most {args.drafts} drafts per "
               f"round ({args.draft_schedule} schedule); "
               f"budget {args.budget}; OasisKV host store from {HOST_POOL[args.host_pool]}; `{env['command']}`\n\n")
-    columns = ["method", "batch", "seconds", "new tokens/s", "TTFT s", "decode tokens/s", "vs greedy DynamicCache",
+    columns = ["method", "batch", "seconds", "new tokens/s", "TTFT s", "decode tokens/s", "first steps s",
+               "steady ms/step", "vs greedy DynamicCache",
                "draft acceptance",
                "drafts per round", "draft ms/round", "verify ms/round", "accept + crop ms/round",
                "same tokens as greedy DynamicCache", "pass keys found"]

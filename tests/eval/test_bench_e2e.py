@@ -59,3 +59,27 @@ def test_the_draft_model_is_loaded_only_for_rows_that_run_it():
     assert uses_draft(None)
     assert not uses_draft(["generate-oasis", "dense-graphed", "generate-oasis-compiled", "dense-graphed-compiled"])
     assert all(uses_draft(["greedy", kind]) for kind in KINDS if kind.startswith(("speculative", "assisted")))
+
+
+def test_step_split_separates_the_first_steps_from_the_steady_ones():
+    from eval.bench_e2e import FIRST_STEPS, step_split
+
+    # first token at 0; the first FIRST_STEPS steps take 1 s each (eager, capture), the later ones 10 ms
+    stamps = [float(i) for i in range(FIRST_STEPS + 1)] + [FIRST_STEPS + 0.01 * i for i in range(1, 8)]
+    split = step_split(stamps)
+    assert split["first steps s"] == FIRST_STEPS
+    assert abs(split["steady ms/step"] - 10.0) < 1e-6
+    assert step_split(stamps[: FIRST_STEPS + 2]) == {}  # too few steps to say
+
+
+def test_a_generate_row_reports_its_step_split():
+    from eval.bench_e2e import FIRST_STEPS, StepClock
+
+    def fn():
+        clock = StepClock()
+        for _ in range(FIRST_STEPS + 4):
+            clock(torch.zeros(2, 1, dtype=torch.long), None)
+        return torch.zeros(2, 5, dtype=torch.long), None, clock
+
+    row = _row(fn)
+    assert row["TTFT s"] >= 0 and row["first steps s"] >= 0 and row["steady ms/step"] >= 0
