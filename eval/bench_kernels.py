@@ -14,8 +14,10 @@ program cap (`OasisConfig.fetch_programs`), with the fetch kernel `gather_blocks
 the previous path (`copy_rows` twice, offsets precomputed). "alone" is the gather by itself; "beside compute"
 replays it on a second stream while the compute stream runs a decode-like graph (the 8B MLP GEMMs at batch 8 and the
 sparse attention), and reports the gather's bandwidth there and how much it slowed the compute. The projection table
-times one Llama-8B layer's weight GEMMs as transformers issues them and with q/k/v and gate/up fused. Prints markdown
-tables and writes JSON.
+times one Llama-8B layer's weight GEMMs as transformers issues them and with q/k/v and gate/up fused. The job
+interference table runs each part of a lookahead selection job (scoring, plan, gather, and the whole job) beside those
+GEMMs, forked per layer onto a highest-priority stream as the whole-step graph forks it, and reports how much each
+part slows them. Prints markdown tables and writes JSON.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from eval._common import code_identity, environment, finish, markdown_table, median
 from eval.plot import plot_kernels
 from oasis_hf.cache.block_table import BlockTable
+from oasis_hf.cache.prefetch import background_stream
 from oasis_hf.kernels import (
     copy_rows,
     gather_blocks,
@@ -294,6 +297,94 @@ def projection_rows(batches: list[int]) -> list[dict]:
     return rows
 
 
+#: The pieces of a lookahead selection job `job_interference_rows` runs beside the GEMMs, alone and together.
+JOB_PARTS = ("score", "plan", "gather", "score + plan", "job (score + plan + gather)")
+
+
+def job_interference_rows(batch: int = 8, heads: int = 8, context: int = 32768, block: int = 32, budget: int = 2048,
+                          fetch_blocks: int = 5, programs: int = 16, layers: int = 8) -> list[dict]:
+    """What each kernel of a lookahead selection job costs the weight GEMMs it runs beside.
+
+    One CUDA graph holds `layers` Llama-8B layers' weight GEMMs (`projection_rows`' separate path) at `batch` rows on
+    the compute stream; with a part of the job, each layer also forks that part onto a highest-priority side stream
+    (as `DecodeGraph` forks a layer's job; the library's `background_stream`) and the graph joins it at the end. The
+    job is the 8B shape's at `context` tokens: `score_blocks` over mean-key summaries (one query token, the selection
+    memory on), `BlockTable.plan` of a `budget`-token table with a cap of `fetch_blocks` (the real model's rate) on
+    fresh random scores, and `gather_blocks` of `fetch_blocks` blocks per (sequence, head) from pinned host memory
+    with `programs` programs. Reported per layer-step: the graph's time, its excess over the GEMMs alone, and the
+    part's own time alone (its kernels in a graph by themselves)."""
+    F = torch.nn.functional
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    weights = {name: torch.randn(shape, dtype=torch.bfloat16, device="cuda", generator=gen) * 0.02
+               for name, shape in PROJECTIONS.items()}
+    x = torch.randn(batch, PROJECTIONS["q"][1], dtype=torch.bfloat16, device="cuda", generator=gen)
+    num_blocks, slots, head_dim = context // block, budget // block, 128
+    query = torch.randn(batch, 4 * heads, 1, head_dim, dtype=torch.bfloat16, device="cuda", generator=gen)
+    summaries = torch.randn(1, batch, heads, num_blocks, head_dim, dtype=torch.bfloat16, device="cuda", generator=gen)
+    memory = torch.rand(batch, heads, num_blocks, device="cuda", generator=gen)
+    kv_start = torch.zeros(batch, dtype=torch.long, device="cuda")
+    start = torch.tensor(context - 1, device="cuda")
+    rules = dict(kind="mean", source="summaries", num_tokens=1, block_size=block, sink_blocks=1, recent_blocks=4,
+                 decay=0.9)
+    table = BlockTable(batch, heads, slots, num_blocks, "cuda")
+    fresh = torch.rand(batch, heads, num_blocks, device="cuda", generator=gen)
+    table.plan(fresh, None, "auto")  # a full table: later plans evict and fetch
+    store = (batch, heads, num_blocks, block, head_dim)
+    host_k = torch.randn(store, dtype=torch.bfloat16).pin_memory()
+    host_v = torch.randn(store, dtype=torch.bfloat16).pin_memory()
+    pool_k = torch.zeros(batch, heads, slots, block, head_dim, dtype=torch.bfloat16, device="cuda")
+    pool_v = torch.zeros_like(pool_k)
+    fetch = torch.randint(0, num_blocks, (batch, heads, fetch_blocks), device="cuda", generator=gen)
+    into = torch.rand(batch, heads, slots, device="cuda", generator=gen).argsort(-1)[..., :fetch_blocks].contiguous()
+    every = torch.ones_like(fetch, dtype=torch.bool)
+
+    def gemms():  # one layer's seven weight GEMMs (k and v computed for the cache, unused here)
+        q, _, _ = F.linear(x, weights["q"]), F.linear(x, weights["k"]), F.linear(x, weights["v"])
+        h = F.linear(q, weights["o"])
+        F.linear(F.linear(h, weights["gate"]) * F.linear(h, weights["up"]), weights["down"])
+
+    def score():
+        return score_blocks(query, summaries, None, memory, kv_start, start, head_dim**-0.5, **rules)
+
+    def plan(scores=None):
+        if scores is None:
+            scores = torch.rand(batch, heads, num_blocks, device="cuda", out=fresh)  # a new selection every step
+        return table.plan(scores, fetch_blocks, "auto")
+
+    def gather(delta=None):
+        blocks, into_, valid = delta if delta is not None else (fetch, into, every)
+        gather_blocks(host_k, host_v, pool_k, pool_v, blocks, into_, valid, 0, programs)
+
+    parts = {"score": score, "plan": plan, "gather": gather, "score + plan": lambda: plan(score()),
+             "job (score + plan + gather)": lambda: gather(plan(score()))}
+    side = background_stream(torch.device("cuda"))
+
+    def step(part=None):
+        main = torch.cuda.current_stream()
+        for _ in range(layers):
+            if part is not None:
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    part()
+            gemms()
+        if part is not None:
+            main.wait_stream(side)
+
+    def per_layer_us(fn) -> float:  # `fn` captured in a graph of its own and replayed (`time_cuda`)
+        return 1e3 * time_cuda(fn, per_graph=1) / layers
+
+    alone = per_layer_us(step)
+    rows = [{"beside the GEMMs": "nothing", "us per layer-step": alone, "excess us": 0.0}]
+    for name in JOB_PARTS:
+        part = parts[name]
+        with_part = per_layer_us(lambda part=part: step(part))
+        own = per_layer_us(lambda part=part: [part() for _ in range(layers)])
+        rows.append({"beside the GEMMs": name, "us per layer-step": with_part, "excess us": with_part - alone,
+                     "part alone us": own})
+        logger.info("job interference %s", rows[-1])
+    return rows
+
+
 def _elapsed(begin, end) -> float:
     end.synchronize()
     return begin.elapsed_time(end)
@@ -315,6 +406,9 @@ def main() -> None:
                         help="shapes B,H_kv,NB,T of the scoring table (none: skip it)")
     parser.add_argument("--projections", type=int, nargs="*", default=[1, 8, 16],
                         help="batches of the weight-GEMM table (one Llama-8B layer; none: skip it)")
+    parser.add_argument("--job-interference", type=int, nargs="*", default=[8],
+                        help="batches of the job-interference table (each part of a lookahead job beside a layer's "
+                             "GEMMs; none: skip it)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -362,8 +456,16 @@ def main() -> None:
                   "graph, as transformers' Llama issues them and with the projections that share an input fused:\n\n")
         table += markdown_table(projections, ["batch", "projections", "us per layer", "MB of weights", "GB/s",
                                               "max abs diff fused vs separate"])
+    interference = [row | {"batch": batch} for batch in args.job_interference or []
+                    for row in job_interference_rows(batch)]
+    if interference:
+        table += ("\n\nA lookahead job's parts beside the weight GEMMs (Llama-8B layers, 32k tokens, budget 2048, 5 "
+                  "blocks fetched per sequence and KV head, 16 gather programs): each layer forks the part onto a "
+                  "highest-priority stream, as the whole-step graph does; microseconds per layer-step:\n\n")
+        table += markdown_table(interference, ["batch", "beside the GEMMs", "us per layer-step", "excess us",
+                                               "part alone us"])
     finish(args, table, {"env": env, "copy GB/s": hbm, "rows": rows, "gather": gathers, "plan": plans,
-                         "score": scores, "projections": projections},
+                         "score": scores, "projections": projections, "job interference": interference},
            plot_kernels)
 
 
