@@ -124,14 +124,9 @@ def pipelined_ms(step, repeats: int) -> float:
 PROFILE_CHILD_FLAG = "--profile-in-process"
 
 
-def profiles_from_child(module: str, argv: list[str], tmp: Path) -> list[dict]:
-    """Run benchmark `module` again in a child process that profiles, and return the rows of its JSON.
-
-    A torch.profiler session leaves CUPTI attached to its process: every later launch there is slower (the host's
-    work per graph replay of an OasisKV step grew from about 0.2 to 0.3-0.8 ms on the H200), so a process that
-    profiles must not time anything after it. The parent times without profiling; the child gets the parent's
-    arguments with `PROFILE_CHILD_FLAG` and its own ``--out`` under `tmp`; its timings are discarded, its profiles
-    merged (`merge_profiles`)."""
+def child_rows(module: str, argv: list[str], tmp: Path, extra: list[str]) -> list[dict]:
+    """Run benchmark `module` in a child process with the parent's arguments `argv` followed by `extra` (a later
+    option overrides an earlier one), its ``--out`` replaced by one under `tmp`; returns the rows of its JSON."""
     args, skip = [], False
     for arg in argv:
         if skip:
@@ -140,9 +135,20 @@ def profiles_from_child(module: str, argv: list[str], tmp: Path) -> list[dict]:
             skip = True
         elif not arg.startswith("--out="):
             args.append(arg)
-    out = Path(tmp) / "profile_child"
-    subprocess.run([sys.executable, "-m", module, *args, PROFILE_CHILD_FLAG, "--out", str(out)], check=True)
+    out = Path(tmp) / "child"
+    subprocess.run([sys.executable, "-m", module, *args, *extra, "--out", str(out)], check=True)
     return json.loads(result_path(out, ".json").read_text())["rows"]
+
+
+def profiles_from_child(module: str, argv: list[str], tmp: Path) -> list[dict]:
+    """Run benchmark `module` again in a child process that profiles, and return the rows of its JSON.
+
+    A torch.profiler session leaves CUPTI attached to its process: every later launch there is slower (the host's
+    work per graph replay of an OasisKV step grew from about 0.2 to 0.3-0.8 ms on the H200), so a process that
+    profiles must not time anything after it. The parent times without profiling; the child gets the parent's
+    arguments with `PROFILE_CHILD_FLAG` (`child_rows`); its timings are discarded, its profiles merged
+    (`merge_profiles`)."""
+    return child_rows(module, argv, tmp, [PROFILE_CHILD_FLAG])
 
 
 def merge_profiles(rows: list[dict], child_rows: list[dict], key=("method", "batch", "context")) -> int:

@@ -30,6 +30,10 @@ ratio against static compares like with like; ``compile + capture s`` is the tim
 same process, each row labelled with its cap. ``python -m eval.bench_floor --compare BEFORE.json AFTER.json OUT.md``
 sets two runs' profiles side by side.
 
+``--isolate`` runs every method of every point in a process of its own (this script, the same arguments, that point
+and method alone), so that no row is timed after another in its process; the parent computes the floor rows (its
+model on the meta device) and the ratios. Every timed row records the ``pid`` of its process either way.
+
 With ``--profile``, the OasisKV static and lookahead rows and the graphed dense row of the profiled points also get a
 kernel-family table (torch.profiler over replays: microseconds of GPU time per layer-step by family). The profiles
 are taken in a child process run with the same arguments once the timings are done: after a torch.profiler session
@@ -44,6 +48,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 import tempfile
 import time
@@ -54,6 +59,7 @@ import torch
 import oasis_hf
 from eval._common import (
     PROFILE_CHILD_FLAG,
+    child_rows,
     code_identity,
     environment,
     markdown_table,
@@ -83,6 +89,9 @@ from oasis_hf.cache.pinned import PinnedPool
 from oasis_hf.config import blocks_for
 
 logger = logging.getLogger("eval.bench_floor")
+
+#: The flag of an ``--isolate`` run's children (`isolated_point`); hidden from --help.
+ISOLATED_FLAG = "--isolated-child"
 
 METHODS = ("dense-eager", "dense-graphed", "dense-compile", "oasis-static", "oasis-lookahead", "oasis-current-query",
            "oasis-lookahead-real")
@@ -198,6 +207,7 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
             logger.exception("%s failed", label)
             row = {"method": label, "kind": kind, "batch": batch, "context": context,
                    "error": f"{type(exc).__name__}: {exc}"[:300]}
+        row["pid"] = os.getpid()  # rows with one pid ran in one process, in the order listed
         rows.append(row)
         release_memory()
         return row
@@ -260,14 +270,32 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
             row["method"] += f", real-model delta rate ({cfg.max_fetch_blocks} blocks per (seq, head, layer-step))"
             row["note"] = (f"max_fetch_blocks={cfg.max_fetch_blocks}: Qwen2.5-Coder-1.5B's lookahead moved {rate:.2f} "
                            f"blocks per (seq, head, layer-step) at 16k in plain decoding{rate_note}")
-    # The floor: weights + the K/V each method attends over (+ one read of the summaries for scoring selectors).
+    rows += floor_rows(model, args.budget, batch, context, bandwidth)
+    annotate(rows)
+    return rows
+
+
+def floor_rows(model, budget: int, batch: int, context: int, bandwidth: float) -> list[dict]:
+    """The floor: weights + the K/V each method attends over (+ one read of the summaries for scoring selectors) at
+    `bandwidth`. `model` may live on the meta device: only its parameter sizes and config are read."""
     # One mean key per block, layer and KV head: per block the bytes of one token's keys.
     summary_bytes = batch * blocks_for(context, oasis_hf.OasisConfig().block_size) * kv_bytes_per_token(model) // 2
-    rows.append({"method": "floor, dense", "kind": "floor", "batch": batch, "context": context,
-                 "ms/step (median)": floor_ms(model, batch, context + 1, bandwidth)})
-    rows.append({"method": f"floor, sparse @{args.budget} (+ mean-key summaries read once)", "kind": "floor",
-                 "batch": batch, "context": context,
-                 "ms/step (median)": floor_ms(model, batch, args.budget, bandwidth, summary_bytes)})
+    return [{"method": "floor, dense", "kind": "floor", "batch": batch, "context": context,
+             "ms/step (median)": floor_ms(model, batch, context + 1, bandwidth)},
+            {"method": f"floor, sparse @{budget} (+ mean-key summaries read once)", "kind": "floor", "batch": batch,
+             "context": context, "ms/step (median)": floor_ms(model, batch, budget, bandwidth, summary_bytes)}]
+
+
+def isolated_point(model, args, batch: int, context: int, bandwidth: float) -> list[dict]:
+    """One point with every method in a process of its own (``--isolate``): a child runs this benchmark with the
+    same arguments for this point and that method alone; the floor and the ratios are the parent's."""
+    rows: list[dict] = []
+    for method in args.methods:
+        with tempfile.TemporaryDirectory() as tmp:
+            child = child_rows("eval.bench_floor", sys.argv[1:], Path(tmp),
+                               ["--points", f"{batch}x{context}", "--methods", method, ISOLATED_FLAG])
+        rows += [row for row in child if row.get("kind") != "floor"]
+    rows += floor_rows(model, args.budget, batch, context, bandwidth)
     annotate(rows)
     return rows
 
@@ -404,6 +432,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="kernel-family tables for the static and lookahead rows")
     parser.add_argument("--profile-points", nargs="*", default=["8x32512", "1x130560"])
     parser.add_argument(PROFILE_CHILD_FLAG, action="store_true", help=argparse.SUPPRESS)  # profiles_from_child
+    parser.add_argument("--isolate", action="store_true",
+                        help="run every method of every point in a process of its own (the same arguments), so that "
+                             "no row is timed after another in its process; the floor and ratios are this process's")
+    parser.add_argument(ISOLATED_FLAG, action="store_true", help=argparse.SUPPRESS)  # isolated_point's children
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -422,7 +454,9 @@ def main() -> None:
     if not on_gpu:
         args.shape = "tiny"  # a smoke run of the plumbing (an 8B shape in float32 would not fit a CPU box)
     shape = SHAPES[args.shape]
-    model = build_model(shape, args.device, torch.bfloat16 if on_gpu else torch.float32)
+    isolate = args.isolate and not args.isolated_child
+    # An --isolate parent only counts the model's bytes for the floor: its parameters stay on the meta device.
+    model = build_model(shape, "meta" if isolate else args.device, torch.bfloat16 if on_gpu else torch.float32)
     bandwidth = hbm_bandwidth(args.device, 4 * GIB if on_gpu else 2**26)
     logger.info("device-to-device copy bandwidth %.2f TB/s", bandwidth / 1e12)
     rate, rate_note = delta_rate(args.delta_rate, args.delta_task)
@@ -433,10 +467,13 @@ def main() -> None:
         need = batch * (context + 64) * kv_bytes_per_token(model)
         if need > args.host_gib * GIB:
             logger.warning("%s: OasisKV's host store needs %.0f GiB > --host-gib", text, need / GIB)
-        rows.extend(run_point(model, args, batch, context, bandwidth, pool, rate, rate_note))
+        if isolate:
+            rows.extend(isolated_point(model, args, batch, context, bandwidth))
+        else:
+            rows.extend(run_point(model, args, batch, context, bandwidth, pool, rate, rate_note))
         print(report(args, shape, bandwidth, rows), flush=True)
         pool.clear()
-    if profile_child:
+    if profile_child and not isolate:  # an --isolate run's children profile for themselves
         del model  # the child loads its own
         release_memory()
         with tempfile.TemporaryDirectory() as tmp:

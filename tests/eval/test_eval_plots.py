@@ -462,6 +462,28 @@ def test_floor_bench_runs_one_row_per_fetch_program_cap(tmp_path, monkeypatch):
     assert all(r["step vs static"] > 0 for r in rows)
 
 
+def test_floor_bench_isolate_times_every_method_in_a_process_of_its_own(tmp_path, monkeypatch):
+    """Plumbing only, on the CPU: with --isolate each method runs in a child process (its rows carry the child's
+    pid), and the parent adds the floor rows and the ratios across them."""
+    import os
+    import sys
+
+    from eval import bench_floor
+
+    out = tmp_path / "floor"
+    monkeypatch.setattr(sys, "argv", ["bench_floor", "--device", "cpu", "--shape", "tiny", "--points", "2x300",
+                                      "--budget", "256", "--warmup", "1", "--repeats", "2", "--compile-model", "off",
+                                      "--methods", "oasis-static", "oasis-lookahead", "--isolate", "--out", str(out)])
+    bench_floor.main()
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    timed = [r for r in rows if r["kind"].startswith("oasis")]
+    assert [r["kind"] for r in timed] == ["oasis-static", "oasis-lookahead"]
+    pids = {r["pid"] for r in timed}
+    assert len(pids) == 2 and os.getpid() not in pids
+    assert [r["kind"] for r in rows].count("floor") == 2
+    assert timed[0]["step vs static"] == 1 and timed[1]["step vs static"] > 0  # the parent's ratios
+
+
 def test_floor_bench_runs_one_compiled_variant_per_mode_and_labels_it():
     import argparse
 
