@@ -68,24 +68,32 @@ def split_by_layers(model, devices: list[str]):
     return dispatch_model(model, device_map=device_map, main_device=devices[0]), device_map
 
 
-def split_model_for(shape_name: str, gpus: int | None = None):
+def split_model_for(shape_name: str, gpus: int | None = None, device: str = "cuda"):
     """The random-weight bf16 model of `shape_name`, layers split over the first `gpus` GPUs (default all), with the
-    oasis attention registered; returns (model, shape dict, dtype, device names)."""
-    devices = [f"cuda:{i}" for i in range(gpus or torch.cuda.device_count())]
-    shape, dtype = SHAPES[shape_name], torch.bfloat16
+    oasis attention registered; returns (model, shape dict, dtype, device names). ``device="cpu"``: a float32 model
+    on the CPU alone (smoke runs of the plumbing)."""
+    on_cpu = device == "cpu"
+    devices = ["cpu"] if on_cpu else [f"cuda:{i}" for i in range(gpus or torch.cuda.device_count())]
+    shape, dtype = SHAPES[shape_name], torch.float32 if on_cpu else torch.bfloat16
     oasis_hf.register()
     model, _ = split_by_layers(build_model(shape, devices[0], dtype), devices)
     return model, shape, dtype, devices
 
 
-def parse_gpu_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
-    """Add the options every GPU decode benchmark shares (timing, output), parse, set up logging, require CUDA."""
+def parse_gpu_args(parser: argparse.ArgumentParser, cpu_smoke: bool = False) -> argparse.Namespace:
+    """Add the options every GPU decode benchmark shares (timing, output), parse, set up logging, require CUDA;
+    `cpu_smoke`: also ``--device cpu``, a smoke run of the plumbing on the CPU (tiny shape, nothing to measure)."""
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None, help="results path without suffix (.md and .json written)")
+    if cpu_smoke:
+        parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                            help="cpu: a smoke run of the plumbing (tiny shape; needs --max-batch)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if not torch.cuda.is_available():
+    if getattr(args, "device", "cuda") == "cpu":
+        args.shape = "tiny"
+    elif not torch.cuda.is_available():
         parser.error("needs CUDA GPUs")
     return args
 

@@ -29,6 +29,7 @@ from transformers import AttentionInterface, DynamicCache, StaticCache
 from transformers.masking_utils import AttentionMaskInterface
 
 from eval._common import median, percentile, pipelined_ms, time_steps
+from eval.layer_graphs import LayerGraphs
 from oasis_hf import compat
 from oasis_hf.config import blocks_for
 from oasis_hf.kernels import sparse_attention, sparse_attention_ref, use_triton
@@ -96,6 +97,10 @@ class PrefixDecode:
     The model runs with ``use_cache=False``: its attention modules call `attention` with the step's (B, H, T, D)
     queries and K/V; the function writes the K/V at `position` (a device tensor) and attends over the first
     `valid` positions (a Python int, fixed when the forward is captured).
+
+    Each layer's buffers live on that layer's device (a model split over GPUs by accelerate's ``device_map``), with
+    a copy of the step's scalars per device; `position`, `length`, `kv_start` and `slot_block` are the first
+    device's, and `set_step` sets them all (the end-to-end loop that advances them itself runs on one device).
     """
 
     def __init__(self, model, batch: int, capacity: int, kernel: str = "sdpa", block_size: int = 32) -> None:
@@ -104,17 +109,24 @@ class PrefixDecode:
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         param = next(model.parameters())
+        devices = [next(layer.parameters()).device for layer in model.model.layers]
         capacity = blocks_for(capacity, block_size) * block_size
         shape = (batch, cfg.num_key_value_heads, capacity, head_dim)
-        self.keys = [torch.empty(shape, dtype=param.dtype, device=param.device) for _ in range(cfg.num_hidden_layers)]
+        self.keys = [torch.empty(shape, dtype=param.dtype, device=device) for device in devices]
         self.values = [torch.empty_like(k) for k in self.keys]
         self.kernel, self.block_size = kernel, block_size
-        self.position = torch.zeros(1, dtype=torch.long, device=param.device)
-        self.length = torch.zeros((), dtype=torch.long, device=param.device)  # valid tokens, for the Triton kernel
         self.valid = 0
         blocks = capacity // block_size
-        self.slot_block = torch.arange(blocks, device=param.device).expand(batch, cfg.num_key_value_heads, -1)
-        self.kv_start = torch.zeros(batch, dtype=torch.long, device=param.device)
+        self._scalars = {}  # device -> (position, length, kv_start, slot_block)
+        for device in [param.device, *devices]:
+            if device not in self._scalars:
+                self._scalars[device] = (
+                    torch.zeros(1, dtype=torch.long, device=device),
+                    torch.zeros((), dtype=torch.long, device=device),  # valid tokens, for the Triton kernel
+                    torch.zeros(batch, dtype=torch.long, device=device),
+                    torch.arange(blocks, device=device).expand(batch, cfg.num_key_value_heads, -1),
+                )
+        self.position, self.length, self.kv_start, self.slot_block = self._scalars[param.device]
         AttentionInterface.register(PREFIX_ATTENTION, self.attention)
         AttentionMaskInterface.register(PREFIX_ATTENTION, compat.flash_attention_mask)
 
@@ -124,15 +136,16 @@ class PrefixDecode:
 
     def fill_random(self, tokens: int, seed: int = 0) -> None:
         """Random K/V at positions ``0 .. tokens - 1`` of every layer."""
-        gen = torch.Generator(device=self.keys[0].device).manual_seed(seed)
+        gens = {device: torch.Generator(device=device).manual_seed(seed) for device in self._scalars}
         for k, v in zip(self.keys, self.values, strict=True):
-            k[:, :, :tokens].normal_(generator=gen)
-            v[:, :, :tokens].normal_(generator=gen)
+            k[:, :, :tokens].normal_(generator=gens[k.device])
+            v[:, :, :tokens].normal_(generator=gens[k.device])
 
     def set_step(self, position: int) -> None:
-        """The next forward decodes the token at `position` (attends over ``position + 1`` tokens)."""
-        self.position.fill_(position)
-        self.length.fill_(position + 1)
+        """The next forward decodes the token at `position` (attends over ``position + 1`` tokens), on every device."""
+        for step_position, length, _, _ in self._scalars.values():
+            step_position.fill_(position)
+            length.fill_(position + 1)
         self.valid = position + 1
 
     def attention(self, module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
@@ -140,8 +153,9 @@ class PrefixDecode:
             raise ValueError(f"{PREFIX_ATTENTION} decodes one token per forward, got {query.shape[2]}")
         layer = module.layer_idx
         keys, values = self.keys[layer], self.values[layer]
-        keys.index_copy_(2, self.position, key)
-        values.index_copy_(2, self.position, value)
+        position, length, kv_start, slot_block = self._scalars[keys.device]
+        keys.index_copy_(2, position, key)
+        values.index_copy_(2, position, value)
         if self.kernel == "sdpa":
             n = self.valid
             out = F.scaled_dot_product_attention(query, keys[:, :, :n], values[:, :, :n], scale=scaling,
@@ -150,7 +164,7 @@ class PrefixDecode:
         batch, heads, capacity, head_dim = keys.shape
         pool = (batch, heads, capacity // self.block_size, self.block_size, head_dim)
         attend = sparse_attention if use_triton(query, "auto") else sparse_attention_ref  # the twin on the CPU
-        out = attend(query, keys.view(pool), values.view(pool), self.slot_block, self.length, self.kv_start,
+        out = attend(query, keys.view(pool), values.view(pool), slot_block, length, kv_start,
                      scaling if scaling is not None else head_dim**-0.5)
         return out, None
 
@@ -312,6 +326,47 @@ def dense_graphed_row(model, batch: int, context: int, warmup: int, repeats: int
         model.set_attn_implementation(previous)
         if compiled:
             torch.compiler.reset()
+        _empty_cache()
+
+
+@torch.inference_mode()
+def dense_layer_graphed_row(model, batch: int, context: int, warmup: int, repeats: int, kernel: str = "sdpa") -> dict:
+    """The dense-graphed decode step of a model whose layers are split over several GPUs: the same preallocated K/V
+    and attention as `dense_graphed_row`, each layer's buffers on its device, every decoder layer one CUDA graph
+    replay on its own device (`eval.layer_graphs.LayerGraphs`; one graph across GPUs cannot be captured), the glue
+    between them eager. Its logits are checked against the same step without graphs first."""
+    previous = model.config._attn_implementation
+    decode = PrefixDecode(model, batch, context + 1, kernel)  # registers its attention function
+    model.set_attn_implementation(PREFIX_ATTENTION)
+    try:
+        decode.fill_random(context)
+        decode.set_step(context)
+        token = torch.randint(0, model.config.vocab_size, (batch, 1), device=decode.position.device)
+        reference = forward_prefix(model, decode, token).float()  # the step repeats: it rewrites the same K/V
+        with LayerGraphs(model.model.layers) as graphs:
+            t0 = time.perf_counter()
+            for _ in range(3):  # eager, capture, replay
+                out = forward_prefix(model, decode, token)
+            capture_s = time.perf_counter() - t0
+            diff = (out.float().to(reference.device) - reference).abs().max().item()
+
+            def step():
+                forward_prefix(model, decode, token)
+
+            enqueue: list[float] = []
+            times = time_steps(step, warmup, repeats, enqueue)
+            queued = pipelined_ms(step, repeats)
+            captures = graphs.captures
+        devices = sorted({str(k.device) for k in decode.keys})
+        return {"method": f"dense graphed ({kernel}, one CUDA graph per layer on its device)",
+                "kind": "dense-graphed", "capture s": capture_s, "context": context, "batch": batch,
+                "ms/step (median)": median(times), "ms/step (p90)": percentile(times, 0.9),
+                "tokens/s": batch * 1e3 / median(times), "host enqueue ms/step": median(enqueue),
+                "ms/step (no per-step sync)": queued, "GPU KV MiB/seq": decode.nbytes / batch / 2**20,
+                "host MiB/seq": 0.0, "layer graphs": captures, "devices": devices,
+                "max abs logit diff vs eager": diff, "raw_ms": times}
+    finally:
+        model.set_attn_implementation(previous)
         _empty_cache()
 
 

@@ -113,7 +113,8 @@ def pyplot_or_none():
 
 def plot_throughput(payload: dict, path: Path) -> Path | None:
     """Decode tokens/s per method at each context (grouped bars, log scale), each bar labelled with its batch and
-    its ratio to dense: for `bench_multigpu` and `bench_capacity`, where every method runs at its own batch."""
+    its ratio to dense (graphed where the run has that row): for `bench_multigpu` and `bench_capacity`, where every
+    method runs at its own batch."""
     plt = pyplot_or_none()
     rows = [r for r in payload["rows"] if "tokens/s" in r]
     if plt is None or not rows:
@@ -130,7 +131,7 @@ def plot_throughput(payload: dict, path: Path) -> Path | None:
             x = j + (i - (len(methods) - 1) / 2) * width
             ax.bar(x, row["tokens/s"], width, color="#888" if method.startswith("dense") else "#2a7",
                    label=method if j == 0 else None)
-            ratio = row.get("tokens/s vs dense")
+            ratio = row.get("tokens/s vs dense graphed", row.get("tokens/s vs dense"))  # the strongest dense row
             note = f"B={row['batch']}" + (f"\n{ratio:.2f}x" if ratio and not method.startswith("dense") else "")
             ax.text(x, row["tokens/s"], note, ha="center", va="bottom", fontsize=7)
     ax.set_ylim(top=max(r["tokens/s"] for r in rows) * 2)  # room for the labels

@@ -5,7 +5,7 @@ import ast
 from pathlib import Path
 
 EVAL = Path(__file__).resolve().parents[2] / "eval"
-SHARED = {"_common", "_harness", "plot", "dense_baselines", "press_baselines", "static_decode", "tasks"}
+SHARED = {"_common", "_harness", "plot", "dense_baselines", "layer_graphs", "press_baselines", "static_decode", "tasks"}
 
 
 def eval_imports() -> dict[str, set[str]]:
