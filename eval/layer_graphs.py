@@ -9,9 +9,12 @@ replay. The glue between the layers (embeddings, rotary tables, the final norm, 
 between devices) stays eager: a few launches per step against a layer's dozens.
 
 The layers' own forwards run unchanged, so any decoder layer works whose forward has fixed shapes for fixed input
-shapes and reads everything else from device memory (the dense-graphed attention of `eval.dense_baselines` reads
-its K/V buffers and the position from device tensors). On the CPU nothing is captured: a call copies its inputs
-into the static buffers and runs the layer on them, the same data path without the graph.
+shapes, reads everything else from device memory and can run twice on the same inputs with the same result (the
+dense-graphed attention of `eval.dense_baselines` writes its K/V at a position held in a device tensor): the call
+that captures runs the forward once more as a warm-up before its replay. A cache that appends on every forward (a
+`DynamicCache`, an `OasisCache`) would append twice there, so those stay on their own paths. On the CPU nothing is
+captured: a call copies its inputs into the static buffers and runs the layer on them, the same data path without
+the graph.
 """
 
 from __future__ import annotations
