@@ -3,10 +3,10 @@
 PyTorch cannot capture one CUDA graph across GPUs, so a model whose layers accelerate's ``device_map`` spread over
 several devices cannot run its decode step as one replay. `LayerGraphs` wraps each decoder layer module instead (as
 ``torch.cuda.make_graphed_callables`` does for training, here for inference): the first call of an input signature
-runs eagerly on a side stream of the layer's device (compiling, allocating workspaces), the second captures the
-layer's forward with static input buffers on that device, later calls copy their inputs into those buffers and
-replay. The glue between the layers (embeddings, rotary tables, the final norm, the LM head, accelerate's moves
-between devices) stays eager: a few launches per step against a layer's dozens.
+runs as it is; the second copies its inputs into static buffers on the layer's device, runs the forward on them once
+on a side stream of that device (compiling, allocating workspaces), captures it and replays; later calls copy their
+inputs into those buffers and replay. The glue between the layers (embeddings, rotary tables, the final norm, the LM
+head, accelerate's moves between devices) stays eager: a few launches per step against a layer's dozens.
 
 The layers' own forwards run unchanged, so any decoder layer works whose forward has fixed shapes for fixed input
 shapes, reads everything else from device memory and can run twice on the same inputs with the same result (the
