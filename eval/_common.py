@@ -151,9 +151,9 @@ def profiles_from_child(module: str, argv: list[str], tmp: Path) -> list[dict]:
     return child_rows(module, argv, tmp, [PROFILE_CHILD_FLAG])
 
 
-def merge_profiles(rows: list[dict], child_rows: list[dict], key=("method", "batch", "context")) -> int:
-    """Copy each child row's ``"profile"`` into the row of `rows` with the same `key` fields; returns how many."""
-    profiles = {tuple(r.get(k) for k in key): r["profile"] for r in child_rows if "profile" in r}
+def merge_profiles(rows: list[dict], profiled: list[dict], key=("method", "batch", "context")) -> int:
+    """Copy each `profiled` row's ``"profile"`` into the row of `rows` with the same `key` fields; returns how many."""
+    profiles = {tuple(r.get(k) for k in key): r["profile"] for r in profiled if "profile" in r}
     merged = 0
     for row in rows:
         profile = profiles.get(tuple(row.get(k) for k in key))
