@@ -124,19 +124,25 @@ def pipelined_ms(step, repeats: int) -> float:
 PROFILE_CHILD_FLAG = "--profile-in-process"
 
 
-def child_rows(module: str, argv: list[str], tmp: Path, extra: list[str]) -> list[dict]:
-    """Run benchmark `module` in a child process with the parent's arguments `argv` followed by `extra` (a later
-    option overrides an earlier one), its ``--out`` replaced by one under `tmp`; returns the rows of its JSON."""
-    args, skip = [], False
+def without_option(argv: list[str], name: str) -> list[str]:
+    """`argv` without the option `name` and its value (both spellings, ``NAME VALUE`` and ``NAME=VALUE``)."""
+    out, skip = [], False
     for arg in argv:
         if skip:
             skip = False
-        elif arg == "--out":
+        elif arg == name:
             skip = True
-        elif not arg.startswith("--out="):
-            args.append(arg)
+        elif not arg.startswith(name + "="):
+            out.append(arg)
+    return out
+
+
+def child_rows(module: str, argv: list[str], tmp: Path, extra: list[str]) -> list[dict]:
+    """Run benchmark `module` in a child process with the parent's arguments `argv` followed by `extra` (a later
+    option overrides an earlier one), its ``--out`` replaced by one under `tmp`; returns the rows of its JSON."""
     out = Path(tmp) / "child"
-    subprocess.run([sys.executable, "-m", module, *args, *extra, "--out", str(out)], check=True)
+    subprocess.run([sys.executable, "-m", module, *without_option(argv, "--out"), *extra, "--out", str(out)],
+                   check=True)
     return json.loads(result_path(out, ".json").read_text())["rows"]
 
 

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from eval._common import code_identity, environment, markdown_table, result_path, write_results
+from eval._common import code_identity, environment, markdown_table, result_path, without_option, write_results
 from eval._harness import yarn_context
 from eval.plot import plot_accuracy
 from eval.tasks import TASKS, relocate_suite, write_suite
@@ -522,15 +522,7 @@ def _stop(signum, frame) -> None:
 
 def worker_argv(argv: list[str]) -> list[str]:
     """The parent's arguments without ``--parts N`` / ``--parts=N``: what each worker runs (plus ``--part K``)."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--parts":
-            skip = True
-        elif not arg.startswith("--parts="):
-            out.append(arg)
-    return out
+    return without_option(argv, "--parts")
 
 
 def _write_merged(args, preset: dict, payload: dict) -> None:

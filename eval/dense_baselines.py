@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -279,7 +280,6 @@ def dense_graphed_generate(model, input_ids: torch.Tensor, attention_mask: torch
     return torch.cat([input_ids, *tokens], dim=1), ttft
 
 
-@torch.inference_mode()
 def graphed_label(kernel: str, compiled: bool, mode: str | None = None) -> str:
     return f"dense graphed ({kernel}{compile_label(compiled, mode)})"
 
@@ -294,39 +294,50 @@ def _target(model, compiled: bool, mode: str | None = None):
     return torch.compile(model, dynamic=False, mode=mode) if compiled else model
 
 
+@contextlib.contextmanager
+def prefix_step(model, batch: int, context: int, kernel: str = "sdpa", seed: int = 0):
+    """`PrefixDecode` buffers of `batch` sequences filled with `context` random tokens, set to decode the next one,
+    with `model` on their attention while the block runs: yields ``(decode, token)``, `token` (B, 1) random ids on
+    the first layer's device; afterwards the previous attention is back and the buffers are freed."""
+    previous = model.config._attn_implementation
+    decode = PrefixDecode(model, batch, context + 1, kernel)  # registers its attention function
+    model.set_attn_implementation(PREFIX_ATTENTION)
+    try:
+        decode.fill_random(context, seed=seed)
+        decode.set_step(context)
+        yield decode, torch.randint(0, model.config.vocab_size, (batch, 1), device=decode.position.device)
+    finally:
+        model.set_attn_implementation(previous)
+        del decode
+        _empty_cache()
+
+
 def dense_graphed_row(model, batch: int, context: int, warmup: int, repeats: int, kernel: str = "sdpa",
                       profile=None, compiled: bool = False, mode: str | None = None) -> dict:
     """Time the dense-graphed decode step at `context` tokens (random K/V); ``profile(step)``, when given, returns
     what the row records under ``"profile"`` (e.g. a kernel-family table of a few replays). `compiled`: capture the
     model through ``torch.compile`` in `mode` (compiled in the warm-up before the capture)."""
-    previous = model.config._attn_implementation
-    decode = PrefixDecode(model, batch, context + 1, kernel)  # registers its attention function
-    model.set_attn_implementation(PREFIX_ATTENTION)
     try:
-        decode.fill_random(context)
-        decode.set_step(context)
-        token = torch.randint(0, model.config.vocab_size, (batch, 1), device=decode.position.device)
-        target = _target(model, compiled, mode)
-        t0 = time.perf_counter()
-        graph, _ = _graph(lambda: forward_prefix(target, decode, token), token.device)
-        capture_s = time.perf_counter() - t0
-        enqueue: list[float] = []
-        times = time_steps(graph.replay, warmup, repeats, enqueue)
-        row = {"method": graphed_label(kernel, compiled, mode), "kind": "dense-graphed", "compiled": compiled,
-               "compile mode": mode if compiled else None,
-               "compile + capture s": capture_s, "context": context, "batch": batch,
-               "ms/step (median)": median(times), "ms/step (p90)": percentile(times, 0.9),
-               "tokens/s": batch * 1e3 / median(times), "host enqueue ms/step": median(enqueue),
-               "ms/step (no per-step sync)": pipelined_ms(graph.replay, repeats),
-               "GPU KV MiB/seq": decode.nbytes / batch / 2**20, "host MiB/seq": 0.0, "raw_ms": times}
-        if profile is not None:
-            row["profile"] = profile(graph.replay)
-        return row
+        with prefix_step(model, batch, context, kernel) as (decode, token):
+            target = _target(model, compiled, mode)
+            t0 = time.perf_counter()
+            graph, _ = _graph(lambda: forward_prefix(target, decode, token), token.device)
+            capture_s = time.perf_counter() - t0
+            enqueue: list[float] = []
+            times = time_steps(graph.replay, warmup, repeats, enqueue)
+            row = {"method": graphed_label(kernel, compiled, mode), "kind": "dense-graphed", "compiled": compiled,
+                   "compile mode": mode if compiled else None,
+                   "compile + capture s": capture_s, "context": context, "batch": batch,
+                   "ms/step (median)": median(times), "ms/step (p90)": percentile(times, 0.9),
+                   "tokens/s": batch * 1e3 / median(times), "host enqueue ms/step": median(enqueue),
+                   "ms/step (no per-step sync)": pipelined_ms(graph.replay, repeats),
+                   "GPU KV MiB/seq": decode.nbytes / batch / 2**20, "host MiB/seq": 0.0, "raw_ms": times}
+            if profile is not None:
+                row["profile"] = profile(graph.replay)
+            return row
     finally:
-        model.set_attn_implementation(previous)
         if compiled:
             torch.compiler.reset()
-        _empty_cache()
 
 
 @torch.inference_mode()
@@ -335,13 +346,7 @@ def dense_layer_graphed_row(model, batch: int, context: int, warmup: int, repeat
     and attention as `dense_graphed_row`, each layer's buffers on its device, every decoder layer one CUDA graph
     replay on its own device (`eval.layer_graphs.LayerGraphs`; one graph across GPUs cannot be captured), the glue
     between them eager. Its logits are checked against the same step without graphs first."""
-    previous = model.config._attn_implementation
-    decode = PrefixDecode(model, batch, context + 1, kernel)  # registers its attention function
-    model.set_attn_implementation(PREFIX_ATTENTION)
-    try:
-        decode.fill_random(context)
-        decode.set_step(context)
-        token = torch.randint(0, model.config.vocab_size, (batch, 1), device=decode.position.device)
+    with prefix_step(model, batch, context, kernel) as (decode, token):
         reference = forward_prefix(model, decode, token).float()  # the step repeats: it rewrites the same K/V
         with LayerGraphs(model.model.layers) as graphs:
             t0 = time.perf_counter()
@@ -356,53 +361,42 @@ def dense_layer_graphed_row(model, batch: int, context: int, warmup: int, repeat
             enqueue: list[float] = []
             times = time_steps(step, warmup, repeats, enqueue)
             queued = pipelined_ms(step, repeats)
-            captures = graphs.captures
-        devices = sorted({str(k.device) for k in decode.keys})
         return {"method": f"dense graphed ({kernel}, one CUDA graph per layer on its device)",
                 "kind": "dense-graphed", "capture s": capture_s, "context": context, "batch": batch,
                 "ms/step (median)": median(times), "ms/step (p90)": percentile(times, 0.9),
                 "tokens/s": batch * 1e3 / median(times), "host enqueue ms/step": median(enqueue),
                 "ms/step (no per-step sync)": queued, "GPU KV MiB/seq": decode.nbytes / batch / 2**20,
-                "host MiB/seq": 0.0, "layer graphs": captures, "devices": devices,
-                "max abs logit diff vs eager": diff, "raw_ms": times}
-    finally:
-        model.set_attn_implementation(previous)
-        _empty_cache()
+                "host MiB/seq": 0.0, "layer graphs": graphs.captures,
+                "devices": sorted({str(k.device) for k in decode.keys}), "max abs logit diff vs eager": diff,
+                "raw_ms": times}
 
 
 @torch.inference_mode()
 def check_dense_graphed(model, batch: int, context: int, kernel: str = "sdpa", compiled: bool = False,
                         mode: str | None = None) -> dict:
     """Logits of a graphed dense step against an eager SDPA forward over a `DynamicCache` holding the same K/V."""
-    previous = model.config._attn_implementation
-    decode = PrefixDecode(model, batch, context + 1, kernel)  # registers its attention function
-    model.set_attn_implementation(PREFIX_ATTENTION)
     try:
-        decode.fill_random(context, seed=1)
-        decode.set_step(context)
-        token = torch.randint(0, model.config.vocab_size, (batch, 1), device=decode.position.device)
-        target = _target(model, compiled, mode)
-        graph, out = _graph(lambda: forward_prefix(target, decode, token), token.device)
-        if token.device.type == "cuda":
-            graph.replay()  # the captured output buffer now holds this replay's logits
-        else:
-            out = graph.replay()
-        graphed = out.float().clone()
-        model.set_attn_implementation("sdpa")
-        cache = DynamicCache(config=model.config)
-        for idx, (k, v) in enumerate(zip(decode.keys, decode.values, strict=True)):
-            cache.update(k[:, :, :context].clone(), v[:, :, :context].clone(), idx)
-        eager = model(input_ids=token, position_ids=torch.full_like(token, context), use_cache=True,
-                      logits_to_keep=1, **{compat.cache_kwarg(model): cache}).logits[:, -1].float()
-        diff = (graphed - eager).abs().max().item()
-        return {"context": context, "batch": batch, "kernel": kernel, "compiled": compiled,
-                "max abs logit diff": diff, "max abs logit": eager.abs().max().item(),
-                "same argmax": bool((graphed.argmax(-1) == eager.argmax(-1)).all())}
+        with prefix_step(model, batch, context, kernel, seed=1) as (decode, token):
+            target = _target(model, compiled, mode)
+            graph, out = _graph(lambda: forward_prefix(target, decode, token), token.device)
+            if token.device.type == "cuda":
+                graph.replay()  # the captured output buffer now holds this replay's logits
+            else:
+                out = graph.replay()
+            graphed = out.float().clone()
+            model.set_attn_implementation("sdpa")
+            cache = DynamicCache(config=model.config)
+            for idx, (k, v) in enumerate(zip(decode.keys, decode.values, strict=True)):
+                cache.update(k[:, :, :context].clone(), v[:, :, :context].clone(), idx)
+            eager = model(input_ids=token, position_ids=torch.full_like(token, context), use_cache=True,
+                          logits_to_keep=1, **{compat.cache_kwarg(model): cache}).logits[:, -1].float()
+            diff = (graphed - eager).abs().max().item()
+            return {"context": context, "batch": batch, "kernel": kernel, "compiled": compiled,
+                    "max abs logit diff": diff, "max abs logit": eager.abs().max().item(),
+                    "same argmax": bool((graphed.argmax(-1) == eager.argmax(-1)).all())}
     finally:
-        model.set_attn_implementation(previous)
         if compiled:
             torch.compiler.reset()
-        _empty_cache()
 
 
 def _empty_cache() -> None:
