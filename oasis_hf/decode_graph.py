@@ -21,7 +21,9 @@ the capture stream, compiling every kernel variant; the next one captures and re
 With `OasisConfig.compile_model` the forward it captures is the model's, compiled by ``torch.compile`` (Inductor
 fuses the norms, RoPE and activations; the cache's update and the attention are graph breaks, run as ours). Two
 eager calls of each ``T`` come before its capture: the first compiles, the second recompiles what depends on the
-step's position (transformers' mask arguments) as dynamic, so that the capture itself compiles nothing.
+step's position (transformers' mask arguments) as dynamic, so that the capture itself compiles nothing. Once a shape
+has settled so in the process, a later runner (the next ``generate`` call's cache) captures after one eager call
+when that call compiled nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 import torch._dynamo
+import torch._dynamo.utils
 
 from oasis_hf import compat
 from oasis_hf.cache.capture import capture_graph
@@ -42,6 +45,18 @@ from oasis_hf.draft import forward_logits, positions
 from oasis_hf.errors import UnsupportedError
 
 logger = logging.getLogger(__name__)
+
+
+#: Per model, the shapes (`DecodeGraph._shape`) whose compiled forward (`OasisConfig.compile_model`) has settled in
+#: this process: compiled, recompiled with the step's position dynamic, then captured without compiling. A later
+#: runner (the next ``generate`` call's cache) warms such a shape up once instead of twice when that one eager call
+#: compiles nothing.
+_SETTLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _compilations() -> int:
+    """Graphs torch.compile has compiled in this process so far."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 @dataclass
@@ -121,6 +136,17 @@ class DecodeGraph:
                                    "weakly, so keep a reference to the cache while decoding with it")
         return cache
 
+    def unsupported(self) -> str | None:
+        """`unsupported` of this runner's cache, checked once per table epoch (what it reads changes only with the
+        epoch: a prefill, a growth of the host store)."""
+        cache = self.cache
+        if self._supported_epoch == cache.table_epoch:
+            return None
+        reason = unsupported(cache)
+        if reason is None:
+            self._supported_epoch = cache.table_epoch
+        return reason
+
     # ------------------------------------------------------------------------------------------ used by layers
     def start(self, device: torch.device) -> torch.Tensor:
         """The step's first position as a 0-d long tensor on `device` (filled before every run or replay)."""
@@ -162,11 +188,9 @@ class DecodeGraph:
         start = cache.get_seq_length()
         if start == 0:
             raise UnsupportedError("DecodeGraph decodes after a prefill: run the prompt through model(...) first")
-        if self._supported_epoch != cache.table_epoch:  # what it checks changes only with the epoch (prefill, growth)
-            reason = unsupported(cache)
-            if reason is not None:
-                raise UnsupportedError(reason)
-            self._supported_epoch = cache.table_epoch
+        reason = self.unsupported()
+        if reason is not None:
+            raise UnsupportedError(reason)
         layers = cache.oasis_layers
         device = input_ids.device
         cache.wait()  # jobs of earlier eager steps: finished and ordered before this step
@@ -195,8 +219,13 @@ class DecodeGraph:
             logits = self._replay(entry, input_ids, position_ids)
         else:
             current = torch.cuda.current_stream(device) if device.type == "cuda" else None
+            compiled_before = _compilations()
             logits = self._eager(input_ids, position_ids, current)
-            self._warm[num_tokens] = (epoch, warm_runs + 1 if warm_epoch == epoch else 1)
+            runs = warm_runs + 1 if warm_epoch == epoch else 1
+            if runs < self._warmups and self._shape(input_ids) in _SETTLED.get(self.model, ()) \
+                    and _compilations() == compiled_before:
+                runs = self._warmups  # torch.compile has nothing left to settle for this shape: capture next
+            self._warm[num_tokens] = (epoch, runs)
         self._expected[device] = (start + num_tokens, start + 2 * num_tokens)  # what the forward left there
         for layer in layers:
             layer.length = start + num_tokens
@@ -211,6 +240,10 @@ class DecodeGraph:
     def _warmups(self) -> int:
         """Eager calls of a ``T`` before its capture (see the module docstring)."""
         return 2 if self.cache.config.compile_model else 1
+
+    def _shape(self, input_ids: torch.Tensor) -> tuple[int, int, int]:
+        """What the compiled forward specialises on besides the model: (B, T, host capacity in blocks)."""
+        return (*input_ids.shape, self.cache.host_capacity_blocks)
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, capture: bool = False) -> torch.Tensor:
         """The model's forward with every OasisLayer on its whole-step path; forked streams joined at the end. With
@@ -282,6 +315,8 @@ class DecodeGraph:
                 f"whole-step graph was being captured (T={input_ids.shape[1]}), which would run its autotuning "
                 f"inside the capture ({exc}). This cache is left mid-forward: close it, and decode with "
                 "compile_model=False (the same graph without Inductor's fusion)") from exc
+        if self.cache.config.compile_model:
+            _SETTLED.setdefault(self.model, set()).add(self._shape(input_ids))
         logger.info("DecodeGraph: captured T=%d (%d layers)", input_ids.shape[1], len(self.cache.oasis_layers))
         return _Captured(graph, static_ids, static_pos, logits, epoch)
 

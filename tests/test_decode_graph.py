@@ -221,6 +221,31 @@ def test_compiled_model_in_the_whole_step_path_decodes_the_same_tokens(device):
     shutdown_compile_workers()
 
 
+@pytest.mark.gpu
+def test_a_later_compiled_cache_of_a_settled_shape_warms_up_once():
+    """compile_model: the first cache's runner warms a shape up twice (compile, then recompile with the position
+    dynamic) before its capture; the next cache of the same shape (the next generate call) needs one eager call,
+    since that call compiles nothing, and decodes the same tokens."""
+    import torch._dynamo
+    from torch._inductor.async_compile import shutdown_compile_workers
+
+    torch._dynamo.reset()
+    model = tiny_model("llama", attn="oasis", device="cuda")
+    ids, mask = (t.cuda() for t in left_padded([180, 150], seed=6))
+    outs, eager = [], []
+    try:
+        for _ in range(3):
+            with oasis_cache(model, selector="lookahead", compile_model=True, **SMALL) as cache:
+                outs.append(oasis_hf.decode_generate(model, ids, mask, cache=cache, max_new_tokens=8))
+                stats = cache.stats
+                eager.append((stats.decode_layer_steps - stats.graph_replays) // len(cache.oasis_layers))
+    finally:
+        torch._dynamo.reset()
+        shutdown_compile_workers()
+    assert eager == [2, 1, 1]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("selector", ["lookahead", "current-query"])
 def test_decode_generate_equals_generate_on_the_same_cache_config(selector, device):

@@ -50,7 +50,7 @@ def install(model) -> None:
         cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
         if not isinstance(cache, OasisCache) or not cache.config.whole_step or cache.in_whole_step or args:
             return original(*args, **kwargs)  # not ours, opted out, or the DecodeGraph's own forward running
-        reason = _eager_reason(cache, kwargs)
+        reason = _eager_reason(model, cache, kwargs)
         if reason is None:
             return _graph_forward(model, cache, kwargs)
         if reason and reason not in logged:
@@ -62,7 +62,7 @@ def install(model) -> None:
     model.forward = forward
 
 
-def _eager_reason(cache: OasisCache, kwargs: dict) -> str | None:
+def _eager_reason(model, cache: OasisCache, kwargs: dict) -> str | None:
     """Why this forward runs the model's own forward: "" for the silent cases (the prefill, the CPU), a message
     otherwise; None when the graph path takes it."""
     input_ids = kwargs.get("input_ids")
@@ -80,6 +80,9 @@ def _eager_reason(cache: OasisCache, kwargs: dict) -> str | None:
         return "logits_to_keep given as indices: the graph keeps the last positions only"
     if kwargs.get("labels") is not None:
         return "labels (a loss): the graph returns logits only"
+    runner = cache.graph_runner
+    if runner is not None and runner.model is model:
+        return runner.unsupported()  # checked once per table epoch
     return unsupported(cache)
 
 
