@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from oasis_hf.cache.layer import OasisLayer
 
 
+#: Bytes of float32 temporaries one `block_mass` call of the prefill window may hold (`prefill_scores`).
+MASS_CHUNK_BYTES = 256 * 2**20
+
+
 def _blocks(layer: OasisLayer, keys: torch.Tensor, values: torch.Tensor, end: int):
     """`keys`/`values` (B, H_kv, end, D) padded to whole blocks: (B, H_kv, NB, BS, D) each, and NB."""
     bs = layer.config.block_size
@@ -98,13 +102,18 @@ def prefill_scores(layer: OasisLayer, query, keys, scale: float, start: int, end
     q = query[:, :, -window:]
     q_pos = torch.arange(end - window, end, device=layer.device)
     mass = torch.zeros(layer.batch_size, layer.num_kv_heads, layer.table.capacity_blocks, device=layer.device)
-    group = q.shape[1] // layer.num_kv_heads
-    # One (sequence, KV head) at a time: (G * W, end) float32 logits, 64 MiB for G = 4, W = 32 at 128k tokens.
-    for b in range(layer.batch_size):
-        for h in range(layer.num_kv_heads):
-            mass[b : b + 1, h : h + 1] = block_mass(
-                q[b : b + 1, h * group : (h + 1) * group], keys[b : b + 1, h : h + 1], scale, q_pos,
-                layer.kv_start[b : b + 1], layer.config.block_size, layer.table.capacity_blocks,
+    heads = layer.num_kv_heads
+    group = q.shape[1] // heads
+    # As many (sequence, KV head) pairs per call as fit in MASS_CHUNK_BYTES of float32 temporaries (the G * W rows'
+    # logits and probabilities, the keys in float32): the whole batch in one call at 16k tokens on Qwen2.5-1.5B,
+    # a few calls at 32k on Llama-8B's shape, one KV head at a time only beyond that.
+    pairs = max(1, MASS_CHUNK_BYTES // (4 * end * (4 * group * window + layer.head_dim)))
+    sequences, heads_per = (max(1, pairs // heads), heads) if pairs >= heads else (1, pairs)
+    for b in range(0, layer.batch_size, sequences):
+        for h in range(0, heads, heads_per):
+            mass[b : b + sequences, h : h + heads_per] = block_mass(
+                q[b : b + sequences, h * group : (h + heads_per) * group], keys[b : b + sequences, h : h + heads_per],
+                scale, q_pos, layer.kv_start[b : b + sequences], layer.config.block_size, layer.table.capacity_blocks,
             )
     return block_scores(layer, q, scale, last, num_tokens=1, raw=mass)
 

@@ -51,6 +51,7 @@ def test_prefill_window_selects_the_top_blocks_of_the_last_queries_exact_attenti
     model = tiny_model(family, attn="oasis")
     ids, mask = left_padded([300, 260])
     calls = spy_block_mass(monkeypatch)
+    monkeypatch.setattr(prefill_module, "MASS_CHUNK_BYTES", 1)  # one (sequence, KV head) per call
     with oasis_cache(model, selector="lookahead", prefill_window_tokens=8, **SMALL) as cache:
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask, past_key_values=cache)
@@ -74,6 +75,30 @@ def test_prefill_window_selects_the_top_blocks_of_the_last_queries_exact_attenti
                     assert chosen == set(order[: len(chosen)]) and len(chosen) == 4
 
 
+@pytest.mark.parametrize("pairs", [1, 3, 4, 6])
+def test_prefill_window_in_chunks_of_pairs_selects_as_one_call(monkeypatch, pairs):
+    """The window's exact attention mass is computed for as many (sequence, KV head) pairs per call as
+    MASS_CHUNK_BYTES holds: any chunking (one pair, part of a sequence's heads, several sequences, uneven last
+    chunk) selects the blocks that the whole batch in one call selects."""
+    model = tiny_model("llama", attn="oasis")  # 2 KV heads, GQA 2, head dim 16
+    ids, mask = left_padded([300, 260, 280])
+    window, end = 8, ids.shape[1]
+    tables, calls = [], spy_block_mass(monkeypatch)
+    for chunk in (None, pairs):
+        if chunk is not None:  # bytes of `chunk` pairs' temporaries (prefill_scores' estimate)
+            monkeypatch.setattr(prefill_module, "MASS_CHUNK_BYTES", chunk * 4 * end * (4 * 2 * window + 16))
+        calls.clear()
+        with oasis_cache(model, selector="lookahead", prefill_window_tokens=window, **SMALL) as cache:
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+            tables.append([layer.table.slot_block.clone() for layer in cache.oasis_layers])
+            layers = len(cache.oasis_layers)
+        expected = {1: 6, 3: 3, 4: 2, 6: 1}[chunk] if chunk is not None else 1
+        assert len(calls) == expected * layers
+    for one_call, chunked in zip(*tables, strict=True):
+        assert torch.equal(one_call, chunked)
+
+
 def test_prefill_window_zero_keeps_the_last_query_against_the_summaries(monkeypatch):
     model = tiny_model("llama", attn="oasis")
     ids, mask = left_padded([300])
@@ -95,8 +120,8 @@ def test_prefill_window_on_chunked_prefill_uses_each_chunks_last_queries(monkeyp
         model(input_ids=ids[:, 200:], attention_mask=mask, past_key_values=cache)  # 100 tokens > dense_chunk_tokens
         for layer in cache.oasis_layers:
             layer.table.check()
-    heads = 2 * 2  # llama: 2 KV heads, 2 layers
-    assert [(w, q.tolist()[0], n) for w, q, n, _ in calls] == [(8, 192, 200)] * heads + [(8, 292, 300)] * heads
+    layers = 2  # one call per layer: the batch's (sequence, KV head) pairs fit in one
+    assert [(w, q.tolist()[0], n) for w, q, n, _ in calls] == [(8, 192, 200)] * layers + [(8, 292, 300)] * layers
 
 
 @pytest.mark.parametrize("fields", [dict(prefill_window_tokens=16), dict(score_decay=0.8),
