@@ -44,7 +44,9 @@ def use_triton(tensor: torch.Tensor, backend: str) -> bool:
     else:
         raise ValueError(f"unknown kernel backend {backend!r}; choose 'auto', 'triton' or 'torch'")
     key = f"{backend}:{tensor.device.type}:{choice}"
-    if key not in _logged:
+    # Not while torch.compile traces: a log call there is a graph break, and the set it fills would make the traced
+    # code depend on which calls ran before it (each new entry fails the guards and recompiles).
+    if key not in _logged and not torch.compiler.is_compiling():
         _logged.add(key)
         logger.info("oasis_hf kernels: backend=%s on %s -> %s", backend, tensor.device, "triton" if choice else "torch")
     return choice

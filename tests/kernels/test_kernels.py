@@ -737,3 +737,17 @@ def test_plan_blocks_kernel_scales_to_long_tables():
             assert torch.equal(k, r)
         for k, r in zip(copies, tables, strict=True):
             assert torch.equal(k[..., :-1], r[..., :-1])  # the twin's masked writes land in the trash column
+
+
+def test_backend_choice_traces_into_one_graph(monkeypatch):
+    """`use_triton` logs its choice once per (backend, device), but not while torch.compile traces: a log call
+    there broke the graph, and a model compiled before any eager call (the dense baseline's compiled row when it
+    ran first) compiled its attention once per layer and again in later calls."""
+    from oasis_hf.kernels import backend
+
+    monkeypatch.setattr(backend, "_logged", set())  # nothing logged yet in this process
+    fn = torch.compile(lambda x: x * 2 if backend.use_triton(x, "auto") else x + 1, fullgraph=True, backend="eager")
+    torch.testing.assert_close(fn(torch.full((3,), 3.0)), torch.full((3,), 4.0))  # CPU: the twin; a break raises
+    assert backend._logged == set()  # the traced call logged nothing; the next eager call logs
+    backend.use_triton(torch.ones(3), "auto")
+    assert backend._logged == {"auto:cpu:False"}
