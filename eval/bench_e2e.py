@@ -107,12 +107,15 @@ FIRST_STEPS = 4
 
 
 def step_split(stamps: list[float]) -> dict:
-    """``{"first steps s", "steady ms/step"}`` of one call's `StepClock` stamps: the seconds from the first token to
-    the end of the first `FIRST_STEPS` decode steps, and the median step after them (empty when too few)."""
+    """``{"first steps s", "first steps ms", "steady ms/step"}`` of one call's `StepClock` stamps: the seconds from
+    the first token to the end of the first `FIRST_STEPS` decode steps, each of those steps in milliseconds (which
+    were eager steps or captures shows as their size), and the median step after them (empty when too few)."""
     if len(stamps) <= FIRST_STEPS + 2:
         return {}
     steady = [b - a for a, b in zip(stamps[FIRST_STEPS:], stamps[FIRST_STEPS + 1 :], strict=False)]
-    return {"first steps s": stamps[FIRST_STEPS] - stamps[0], "steady ms/step": 1e3 * median(steady)}
+    first = [round(1e3 * (b - a), 1) for a, b in zip(stamps[:FIRST_STEPS], stamps[1 : FIRST_STEPS + 1], strict=True)]
+    return {"first steps s": stamps[FIRST_STEPS] - stamps[0], "first steps ms": " / ".join(map(str, first)),
+            "steady ms/step": 1e3 * median(steady)}
 
 
 @torch.inference_mode()
@@ -308,7 +311,7 @@ def report(args, model, rows: list[dict], final: bool) -> None:
               f"round ({args.draft_schedule} schedule); "
               f"budget {args.budget}; OasisKV host store from {HOST_POOL[args.host_pool]}; `{env['command']}`\n\n")
     columns = ["method", "batch", "seconds", "new tokens/s", "TTFT s", "decode tokens/s", "first steps s",
-               "steady ms/step", "vs greedy DynamicCache",
+               "first steps ms", "steady ms/step", "vs greedy DynamicCache",
                "draft acceptance",
                "drafts per round", "draft ms/round", "verify ms/round", "accept + crop ms/round",
                "same tokens as greedy DynamicCache", "pass keys found"]

@@ -68,6 +68,7 @@ def test_step_split_separates_the_first_steps_from_the_steady_ones():
     stamps = [float(i) for i in range(FIRST_STEPS + 1)] + [FIRST_STEPS + 0.01 * i for i in range(1, 8)]
     split = step_split(stamps)
     assert split["first steps s"] == FIRST_STEPS
+    assert split["first steps ms"] == " / ".join(["1000.0"] * FIRST_STEPS)
     assert abs(split["steady ms/step"] - 10.0) < 1e-6
     assert step_split(stamps[: FIRST_STEPS + 2]) == {}  # too few steps to say
 
