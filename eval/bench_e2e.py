@@ -38,6 +38,11 @@ after them (`StepClock`, `step_split`), the ratio to greedy DynamicCache at the
 same batch, draft acceptance, whether the output equals greedy DynamicCache's, and how many pass keys came out.
 The draft model is loaded only when a requested row runs it (``--kinds`` without the assisted and speculative rows
 needs the target's weights alone).
+
+``--isolate`` runs every kind of every batch in a process of its own (this script with the same arguments, that
+batch and that kind; each child runs the greedy baseline too, and its rows' ratios are against its own baseline),
+so that no row depends on which rows ran before it in a process (compilation caches, the allocator, the pinned
+pool); the table keeps the first child's baseline row per batch, and every row records its ``pid``.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,7 +61,16 @@ from torch._dynamo.utils import counters
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 import oasis_hf
-from eval._common import code_identity, environment, finish, markdown_table, median, synchronize, write_results
+from eval._common import (
+    child_rows,
+    code_identity,
+    environment,
+    finish,
+    markdown_table,
+    median,
+    synchronize,
+    write_results,
+)
 from eval.dense_baselines import dense_graphed_generate
 from eval.plot import plot_e2e
 from oasis_hf import compat, models
@@ -70,6 +87,8 @@ def batch_prompts(tokenizer, context: int, batch: int, device) -> tuple[dict, li
     return tokenizer(list(prompts), return_tensors="pt", padding=True).to(device), list(keys)
 
 
+#: The flag of an ``--isolate`` run's children (`isolated_rows`); hidden from --help.
+ISOLATED_FLAG = "--isolated-child"
 HOST_POOL = {"shared": "one PinnedPool shared by the run", "none": "a buffer page-locked afresh in every call"}
 KINDS = ["greedy", "greedy-graphs", "generate-oasis", "dense-graphed", "generate-oasis-compiled",
          "dense-graphed-compiled", "decode-oasis", "decode-oasis-compiled", "assisted", "speculative",
@@ -174,12 +193,23 @@ def main() -> None:
     parser.add_argument("--host-pool", choices=["shared", "none"], default="shared",
                         help="shared: every OasisCache takes its pinned host store from one PinnedPool (as lm-eval's "
                              "model and a server reuse it; the warm-up pins it), none: each call page-locks afresh")
+    parser.add_argument("--isolate", action="store_true",
+                        help="run every kind of every batch in a process of its own (with its own greedy baseline)")
+    parser.add_argument(ISOLATED_FLAG, action="store_true", help=argparse.SUPPRESS)  # isolated_rows' children
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.isolate and not args.isolated_child:
+        rows: list[dict] = []
+        for batch in args.batches:
+            rows += isolated_rows(args, batch, sys.argv[1:])
+            report(args, rows, final=False)  # a cut-short run keeps the batches it finished
+        report(args, rows, final=True)
+        return
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = models.load(args.model, device=device)
+    dtype = model.dtype
     draft = models.load(args.draft, device=device, dtype=model.dtype)[0] if uses_draft(args.kinds) else None
     oasis_hf.enable(model)  # dense caches still get dense attention: only OasisCache layers take the oasis path
     n = args.new_tokens
@@ -282,17 +312,31 @@ def main() -> None:
             if cache is not None:
                 cache.close()
             cache = None  # collected before the next row starts timing (run_row collects)
-            report(args, model, rows + finished(batch_rows), final=False)  # a cut-short run keeps its rows
-        rows += finished(batch_rows)
-    report(args, model, rows, final=True)
+            report(args, rows + finished(batch_rows, dtype), final=False)  # a cut-short run keeps its rows
+        rows += finished(batch_rows, dtype)
+    report(args, rows, final=True)
 
 
-def finished(batch_rows: list[dict]) -> list[dict]:
-    """The rows of one batch size with their ratios to the first (greedy DynamicCache) row, tokens dropped."""
+def isolated_rows(args, batch: int, argv: list[str]) -> list[dict]:
+    """The rows of one batch size with every requested kind (default: all) in a child process of its own
+    (``--isolate``): the first child's baseline row, then each child's other rows (their ratios against their own
+    process's baseline)."""
+    rows: list[dict] = []
+    for kind in args.kinds or KINDS:
+        with tempfile.TemporaryDirectory() as tmp:
+            child = child_rows("eval.bench_e2e", argv, Path(tmp),
+                               ["--batches", str(batch), "--kinds", kind, ISOLATED_FLAG])
+        rows += child if not rows else child[1:]  # the baseline comes first in every child
+    return rows
+
+
+def finished(batch_rows: list[dict], dtype: torch.dtype | None = None) -> list[dict]:
+    """The rows of one batch size with their ratios to the first (greedy DynamicCache) row, tokens dropped, and the
+    process and the target's dtype they ran with."""
     base = batch_rows[0]
     out = []
     for row in batch_rows:
-        row = dict(row)
+        row = dict(row, pid=os.getpid(), dtype=str(dtype).removeprefix("torch.") if dtype is not None else None)
         if "error" not in row and "error" not in base:
             row["vs greedy DynamicCache"] = row["new tokens/s"] / base["new tokens/s"]
             row["same tokens as greedy DynamicCache"] = bool(torch.equal(row["tokens"], base["tokens"]))
@@ -301,11 +345,13 @@ def finished(batch_rows: list[dict]) -> list[dict]:
     return out
 
 
-def report(args, model, rows: list[dict], final: bool) -> None:
+def report(args, rows: list[dict], final: bool) -> None:
     env = environment()
     draft = f"draft {args.draft}" if uses_draft(args.kinds) else "no draft (no row of this run uses one)"
+    dtypes = sorted({str(r["dtype"]) for r in rows if r.get("dtype")})
+    isolated = "; every kind in a process of its own (--isolate)" if args.isolate else ""
     header = (f"Test configuration: {env.get('gpu', 'cpu')}, torch {env['torch']}, transformers {env['transformers']};"
-              f" target {args.model} ({next(model.parameters()).dtype}), "
+              f" target {args.model} ({', '.join(dtypes) or '?'}){isolated}, "
               f"{draft}; pass-key prompts of about "
               f"{args.context} tokens, {args.new_tokens} greedy tokens per sequence, at most {args.drafts} drafts per "
               f"round ({args.draft_schedule} schedule); "

@@ -84,3 +84,41 @@ def test_a_generate_row_reports_its_step_split():
 
     row = _row(fn)
     assert row["TTFT s"] >= 0 and row["first steps s"] >= 0 and row["steady ms/step"] >= 0
+
+
+def test_isolate_runs_each_kind_in_a_child_and_keeps_one_baseline(monkeypatch):
+    """--isolate: one child process per kind of a batch, each asked for that batch and kind alone; the table keeps
+    the first child's baseline row and every child's other rows, in the order of the kinds."""
+    import argparse
+
+    import eval.bench_e2e as bench
+
+    calls = []
+
+    def fake_child_rows(module, argv, tmp, extra):
+        calls.append((module, list(argv), extra))
+        kind, pid = extra[extra.index("--kinds") + 1], len(calls)
+        return [{"method": "greedy, DynamicCache", "pid": pid}, {"method": f"row of {kind}", "pid": pid}]
+
+    monkeypatch.setattr(bench, "child_rows", fake_child_rows)
+    args = argparse.Namespace(kinds=["generate-oasis", "dense-graphed"])
+    rows = bench.isolated_rows(args, 8, ["--isolate", "--batches", "1", "8"])
+    assert [r["method"] for r in rows] == ["greedy, DynamicCache", "row of generate-oasis", "row of dense-graphed"]
+    assert [r["pid"] for r in rows] == [1, 1, 2]
+    assert [c[2] for c in calls] == [["--batches", "8", "--kinds", kind, bench.ISOLATED_FLAG]
+                                     for kind in args.kinds]
+    assert all(c[0] == "eval.bench_e2e" and c[1] == ["--isolate", "--batches", "1", "8"] for c in calls)
+    bench.isolated_rows(argparse.Namespace(kinds=None), 1, [])  # no --kinds: every kind
+    assert len(calls) == 2 + len(bench.KINDS)
+
+
+def test_finished_rows_record_their_process_and_dtype():
+    import os
+
+    from eval.bench_e2e import finished
+
+    base = {"method": "greedy", "new tokens/s": 10.0, "tokens": torch.zeros(1, 2)}
+    other = {"method": "x", "new tokens/s": 20.0, "tokens": torch.zeros(1, 2)}
+    rows = finished([base, other], torch.bfloat16)
+    assert [r["pid"] for r in rows] == [os.getpid()] * 2 and {r["dtype"] for r in rows} == {"bfloat16"}
+    assert rows[1]["vs greedy DynamicCache"] == 2.0 and "tokens" not in rows[1]
