@@ -17,7 +17,8 @@ sparse attention), and reports the gather's bandwidth there and how much it slow
 times one Llama-8B layer's weight GEMMs as transformers issues them and with q/k/v and gate/up fused. The job
 interference table runs each part of a lookahead selection job (scoring, plan, gather, and the whole job) beside those
 GEMMs, forked per layer onto a highest-priority stream as the whole-step graph forks it, and reports how much each
-part slows them. Prints markdown tables and writes JSON.
+part slows them; then a job that moves a delta at every replay beside a whole 32-layer step with its lm_head, forked
+after every layer and with the jobs of 2, 4 or 8 layers forked together. Prints markdown tables and writes JSON.
 """
 
 from __future__ import annotations
@@ -359,14 +360,20 @@ def job_interference_rows(batch: int = 8, heads: int = 8, context: int = 32768, 
              "job (score + plan + gather)": lambda: gather(plan(score()))}
     side = background_stream(torch.device("cuda"))
 
-    def step(part=None):
+    def step(part=None, group=1, depth=layers, head=False):
+        """`depth` layers' GEMMs, each layer forking `part` (or, with `group` > 1, the parts of `group` layers forked
+        together after the last of them); with `head`, the lm_head GEMM after the last layer, as a model's step
+        ends (the last jobs run beside it)."""
         main = torch.cuda.current_stream()
-        for _ in range(layers):
-            if part is not None:
+        for layer in range(depth):
+            if part is not None and (layer + 1) % group == 0:
                 side.wait_stream(main)
                 with torch.cuda.stream(side):
-                    part()
+                    for _ in range(group):
+                        part()
             gemms()
+        if head:
+            F.linear(x, lm_head)
         if part is not None:
             main.wait_stream(side)
 
@@ -381,6 +388,27 @@ def job_interference_rows(batch: int = 8, heads: int = 8, context: int = 32768, 
         own = per_layer_us(lambda part=part: [part() for _ in range(layers)])
         rows.append({"beside the GEMMs": name, "us per layer-step": with_part, "excess us": with_part - alone,
                      "part alone us": own})
+        logger.info("job interference %s", rows[-1])
+    # A job that moves a delta at every replay: scoring, a plan on fresh scores, the gather of a fixed delta. Forked
+    # per layer, and with the jobs of `group` consecutive layers forked together after the last of them (one fork
+    # per group: the question is whether the GEMMs pay per concurrent period or per kernel).
+    def job():
+        score()
+        plan()
+        gather()
+
+    # A whole step: 32 layers and the lm_head (Llama-8B's), so the last group's jobs have the head to run beside.
+    depth = 32
+    lm_head = torch.randn(128256, PROJECTIONS["q"][1], dtype=torch.bfloat16, device="cuda", generator=gen) * 0.02
+    own = per_layer_us(lambda: [job() for _ in range(layers)])
+    whole = 1e3 * time_cuda(lambda: step(depth=depth, head=True), per_graph=1) / depth
+    rows.append({"beside the GEMMs": f"nothing ({depth} layers and the lm_head)", "us per layer-step": whole,
+                 "excess us": 0.0})
+    for group in (1, 2, 4, 8):
+        with_part = 1e3 * time_cuda(lambda group=group: step(job, group, depth, head=True), per_graph=1) / depth
+        rows.append({"beside the GEMMs": f"score + plan + gather of 5 blocks, {depth} layers and the lm_head, forked "
+                                         f"every {group} layer(s)",
+                     "us per layer-step": with_part, "excess us": with_part - whole, "part alone us": own})
         logger.info("job interference %s", rows[-1])
     return rows
 
