@@ -453,12 +453,16 @@ def merge_parts(args, preset: dict, files: list[Path], resume: bool, parts: int 
 
 
 def carry_provenance(out: Path, payload: dict) -> dict:
-    """A run that resumes a file united from several runs (``--merge-from``) keeps that file's ``sources`` and
-    ``relabelled`` and adds itself to the sources, so rewriting the file never drops who measured its rows."""
+    """A run that resumes a file keeps the provenance of the rows already there and adds itself to ``sources``:
+    a file united from several runs (``--merge-from``) keeps its ``sources`` and ``relabelled``; a file written by
+    one earlier run gets that run's environment as its first source. Rewriting the file never drops who measured
+    its rows."""
     path = result_path(out, ".json")
     previous = json.loads(path.read_text()) if path.is_file() else {}
-    if previous.get("sources"):
-        payload["sources"] = [*previous["sources"], {"file": f"{path.name} (resumed)", "env": payload["env"]}]
+    earlier = previous.get("sources") or ([{"file": path.name, "env": previous["env"]}]
+                                          if previous.get("rows") and previous.get("env") else [])
+    if earlier:
+        payload["sources"] = [*earlier, {"file": f"{path.name} (resumed)", "env": payload["env"]}]
     if previous.get("relabelled"):
         payload["relabelled"] = previous["relabelled"]
     return payload

@@ -295,6 +295,10 @@ def test_accuracy_merge_from_and_relabel(tmp_path, monkeypatch):
     payload = accuracy.carry_provenance(tmp_path / "main", {"env": {"gpu": "H100", "command": "again"}, "rows": []})
     assert [s["env"]["gpu"] for s in payload["sources"]] == ["H200", "B200", "H100"]
     assert payload["relabelled"] == merged["relabelled"]
+    # Resuming a file one run wrote: that run becomes the first source (its command measured the rows there).
+    payload = accuracy.carry_provenance(tmp_path / "later", {"env": {"gpu": "H100", "command": "again"}, "rows": []})
+    assert [(s["file"], s["env"]["command"]) for s in payload["sources"]] == [("later.json", "later"),
+                                                                          ("later.json (resumed)", "again")]
     with pytest.raises(SystemExit):  # the new rows already use the name: renaming onto them would mix two methods
         run("--out", str(tmp_path / "main"), "--relabel", "lookahead (draft model, block 32)=lookahead (draft model)")
     write("other_model", [new], "H200", model="smollm2-135m-instruct")
