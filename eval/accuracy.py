@@ -63,9 +63,9 @@ from oasis_hf.kernels.ref import SUMMARY_LAYOUT
 
 logger = logging.getLogger("eval.accuracy")
 
-# method label -> OasisLM keyword arguments (budget added per row; dense ignores it). ``batch_size=1``: the method
-# generates one request at a time (kvpress presses); the others take the preset's (draft-model and prompt-lookup
-# drafts go through `speculative_generate`, batched).
+# method label -> OasisLM keyword arguments (budget added per row; dense ignores it). Every row takes the preset's
+# batch size: draft-model and prompt-lookup drafts go through `speculative_generate`, batched; a kvpress press
+# compresses each prompt of a batch on its own and decodes the compressed caches together (`eval.press_baselines`).
 #
 # The query-driven OasisKV rows share one selection setting, so that they differ only in where the scoring queries
 # come from: blocks of 16 tokens (sink 16, recent window 64), the prefill's first selection from the exact attention
@@ -88,23 +88,20 @@ METHODS = {
     # compressed and the question and answer cue prefilled after it (query-agnostic), or context and question
     # compressed and the cue after them (query-aware); the uncompressed tail counts inside the budget. Expected
     # attention as kvpress's benchmark registry runs it (AdaKV, epsilon 1e-2) beside the plain press.
-    "kvpress SnapKV (query-aware)": dict(press="SnapKVPress", protocol="query-aware", batch_size=1),
-    "kvpress SnapKV (query-agnostic)": dict(press="SnapKVPress", protocol="query-agnostic", batch_size=1),
-    "kvpress AdaKV SnapKV (query-aware)": dict(press="AdaKVPress(SnapKVPress())", protocol="query-aware",
-                                               batch_size=1),
+    "kvpress SnapKV (query-aware)": dict(press="SnapKVPress", protocol="query-aware"),
+    "kvpress SnapKV (query-agnostic)": dict(press="SnapKVPress", protocol="query-agnostic"),
+    "kvpress AdaKV SnapKV (query-aware)": dict(press="AdaKVPress(SnapKVPress())", protocol="query-aware"),
     "kvpress AdaKV expected attention (query-aware)": dict(
-        press="AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))", protocol="query-aware", batch_size=1),
+        press="AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))", protocol="query-aware"),
     "kvpress AdaKV expected attention (query-agnostic)": dict(
-        press="AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))", protocol="query-agnostic", batch_size=1),
-    "kvpress expected attention (query-aware)": dict(press="ExpectedAttentionPress", protocol="query-aware",
-                                                     batch_size=1),
+        press="AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))", protocol="query-agnostic"),
+    "kvpress expected attention (query-aware)": dict(press="ExpectedAttentionPress", protocol="query-aware"),
     # Compactor (Chari & Van Durme 2025: leverage scores of the keys blended with non-causal chunked attention), the
     # query-agnostic leader kvpress 0.5.5 ships that runs here (KVzip needs its tokenizer from the Hub).
-    "kvpress Compactor (query-agnostic)": dict(press="CompactorPress", protocol="query-agnostic", batch_size=1),
+    "kvpress Compactor (query-agnostic)": dict(press="CompactorPress", protocol="query-agnostic"),
     # The whole prompt compressed, answer cue included: not a kvpress protocol; the rows of earlier runs.
-    "kvpress SnapKV (whole prompt)": dict(press="SnapKVPress", protocol="whole-prompt", batch_size=1),
-    "kvpress expected attention (whole prompt)": dict(press="ExpectedAttentionPress", protocol="whole-prompt",
-                                                      batch_size=1),
+    "kvpress SnapKV (whole prompt)": dict(press="SnapKVPress", protocol="whole-prompt"),
+    "kvpress expected attention (whole prompt)": dict(press="ExpectedAttentionPress", protocol="whole-prompt"),
     # Diagnostic rows, not in the presets (run them with --methods): one summary instead of both (Quest's bounds alone
     # gave more vt and recall_list answers and fewer cwe and fwe than mean keys), and the selection settings one at a
     # time.

@@ -1,8 +1,9 @@
 """kvpress baselines for the accuracy suite, run as kvpress runs them, at OasisKV's KV size.
 
-`PressLM` is the lm-eval model of `eval.accuracy`'s press rows: dense `DynamicCache` generation of one request at a
-time, with a kvpress press compressing the prompt's KV during the prefill, then greedy decoding of the compressed
-cache (`greedy_continue`: each step a CUDA graph replay on CUDA, eager elsewhere). It takes
+`PressLM` is the lm-eval model of `eval.accuracy`'s press rows: a kvpress press compresses each prompt's KV during
+its own prefill (kvpress compresses one prompt at a time), then the compressed caches of a request batch that kept
+the same number of tokens are decoded greedily together (`greedy_continue` over `stack_caches`: each step a CUDA
+graph replay on CUDA, eager elsewhere; every row gets the tokens it gets alone, tested). It takes
 
 - ``press``: a kvpress press written as its constructor call, e.g. ``SnapKVPress``,
   ``AdaKVPress(SnapKVPress())`` or ``AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))`` (kvpress's benchmark
@@ -20,7 +21,8 @@ The uncompressed tail counts inside the budget: the press keeps ``budget - tail`
 the cache holds ``budget`` tokens per layer and KV head when decoding starts, as OasisKV holds ``budget`` on the GPU.
 Head-wise presses (AdaKV) keep that many on average over a layer's heads; kvpress masks the pruned keys rather than
 freeing them, so their real memory stays the prompt's (the accuracy tables count the budget). Their decode runs
-eagerly: kvpress's masking searches for its fake key with a data-dependent loop, which a CUDA graph cannot hold.
+eagerly and one prompt at a time: kvpress's masking searches for its fake key with a data-dependent loop, which a
+CUDA graph cannot hold, and it keeps the pruned keys of the last prefill only.
 
 Press rows run on SDPA, whatever attention earlier rows switched the shared model to: kvpress wraps the attention
 functions registered when it is imported, and its head-wise masking lives in that wrapper.
@@ -39,7 +41,7 @@ import itertools
 import torch
 from transformers import DynamicCache
 
-from eval.static_decode import greedy_continue
+from eval.static_decode import greedy_continue, stack_caches
 from oasis_hf import compat
 from oasis_hf.errors import UnsupportedError
 from oasis_hf.integrations.lm_eval import OasisLM
@@ -155,7 +157,7 @@ def press_prefill(model, ids: torch.Tensor, press, budget: int, tail: int = 0) -
 
 
 class PressLM(OasisLM):
-    """lm-eval model: one request at a time, compressed by a kvpress press under `protocol`, decoded greedily."""
+    """lm-eval model: each prompt compressed by a kvpress press under `protocol`, a batch decoded greedily."""
 
     def __init__(self, pretrained, press: str, protocol: str = "query-agnostic", budget: int = 2048,
                  graphs: bool = False, **kwargs) -> None:
@@ -168,23 +170,78 @@ class PressLM(OasisLM):
         self.press = make_press(press, self.model)
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
-        if context.shape[0] != 1:
-            raise UnsupportedError("kvpress baselines compress one prompt at a time: run with --batch_size 1")
+        """A request batch (B, n), left padded as lm-eval gives it (`attention_mask`): each prompt compressed on its
+        own, then the compressed caches decoded together where the press left them alike (`_decode_together`);
+        returns (B, n + m), finished rows padded."""
         if bool(generation_kwargs.get("do_sample")) and float(generation_kwargs.get("temperature") or 0.0) > 0:
             raise UnsupportedError("the press rows decode greedily; set do_sample=False")
-        tail = 0
-        if self.protocol != "whole-prompt":
-            question, cue = question_split(self.tokenizer, context[0].tolist())
-            tail = context.shape[1] - (question if self.protocol == "query-agnostic" else cue)
-        cache, logits = press_prefill(self.model, context, self.press, self.budget, tail)
+        prompts = unpadded(context, generation_kwargs.get("attention_mask"))
+        max_new = max(1, max_length - context.shape[1]) - 1
         eos = self.model.generation_config.eos_token_id
-        head_wise = any(getattr(m, "masked_key_indices", None) is not None for m in self.model.modules())
-        with on_sdpa(self.model):
-            new = greedy_continue(self.model, cache, logits.argmax(-1, keepdim=True), position=context.shape[1],
-                                  max_new_tokens=max(1, max_length - context.shape[1]) - 1,
-                                  eos_token_id=eos if eos is not None else self.tokenizer.eos_token_id,
-                                  graphs=self.graphs and not head_wise)
+        eos = eos if eos is not None else self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id
+        rows: list[torch.Tensor | None] = [None] * len(prompts)
+        waiting = []  # (row, cache, first token) of the prompts whose caches decode together
+        for row, ids in enumerate(prompts):
+            tail = 0
+            if self.protocol != "whole-prompt":
+                question, cue = question_split(self.tokenizer, ids[0].tolist())
+                tail = ids.shape[1] - (question if self.protocol == "query-agnostic" else cue)
+            cache, logits = press_prefill(self.model, ids, self.press, self.budget, tail)
+            first = logits.argmax(-1, keepdim=True)
+            if head_wise(self.model):
+                # kvpress keeps a head-wise press's pruned keys on the attention modules until the next prefill, so
+                # this prompt decodes now, on its own and eagerly (its masking loop is data-dependent).
+                with on_sdpa(self.model):
+                    rows[row] = greedy_continue(self.model, cache, first, position=ids.shape[1],
+                                                max_new_tokens=max_new, eos_token_id=eos, graphs=False)[0]
+            else:
+                waiting.append((row, cache, first))
+        self._decode_together(waiting, prompts, rows, max_new, eos, pad)
+        width = max(len(tokens) for tokens in rows)
+        fill = pad if pad is not None else (eos if isinstance(eos, int) else eos[0])
+        new = torch.full((len(rows), width), fill, dtype=context.dtype, device=context.device)
+        for row, tokens in enumerate(rows):
+            new[row, : len(tokens)] = tokens
         return torch.cat([context, new], dim=1)
+
+    def _decode_together(self, waiting: list, prompts: list[torch.Tensor], rows: list, max_new: int, eos,
+                         pad: int | None) -> None:
+        """Greedy-decode the compressed caches of `waiting` in batches of those that kept the same number of tokens
+        (every prompt longer than the budget keeps exactly the budget), writing each row's tokens into `rows`."""
+        groups: dict[int, list] = {}
+        for item in waiting:
+            groups.setdefault(item[1].layers[0].keys.shape[-2], []).append(item)
+        for group in groups.values():
+            cache = stack_caches([item[1] for item in group])
+            first = torch.cat([item[2] for item in group])
+            with on_sdpa(self.model):
+                out = greedy_continue(self.model, cache, first, position=[prompts[item[0]].shape[1] for item in group],
+                                      max_new_tokens=max_new, eos_token_id=eos, graphs=self.graphs,
+                                      pad_token_id=pad)
+            for (row, _, _), tokens in zip(group, out, strict=True):
+                rows[row] = tokens
+
+
+def unpadded(context: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """The prompts of a left-padded batch `context` (B, n) without their padding, each (1, n_i)."""
+    if attention_mask is None:
+        return [context[row : row + 1] for row in range(context.shape[0])]
+    prompts = []
+    for row in range(context.shape[0]):
+        real = attention_mask[row].nonzero()
+        start = int(real[0]) if len(real) else context.shape[1]
+        if len(real) != context.shape[1] - start:
+            raise UnsupportedError("the press rows take left-padded batches (padding only before each prompt); got "
+                                   f"a mask with gaps in row {row}")
+        prompts.append(context[row : row + 1, start:])
+    return prompts
+
+
+def head_wise(model) -> bool:
+    """Whether the last prefill left a head-wise press's pruned keys on the model's attention modules (kvpress's
+    AdaKV records them as ``masked_key_indices`` and masks them in its attention wrapper)."""
+    return any(getattr(module, "masked_key_indices", None) is not None for module in model.modules())
 
 
 @contextlib.contextmanager

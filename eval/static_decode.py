@@ -12,61 +12,89 @@ step as a replay of one captured model forward, like kvpress's own pipeline deco
     new = greedy_continue(model, cache, first, position=prompt.shape[1], max_new_tokens=63, eos_token_id=eos)
 
 Rotary positions continue from the *original* prompt length (``position``), while the cache slots continue from the
-number of tokens kept, as in kvpress. On the CPU (and with ``graphs=False``) the same loop runs eagerly; the tokens
-are those of ``model.generate`` over the same cache (tested).
+number of tokens kept, as in kvpress. A batch of compressed caches that kept the same number of tokens decodes
+together (`stack_caches`, one position per row): a press compresses one prompt at a time, but its decode steps need
+not run one at a time. On the CPU (and with ``graphs=False``) the same loop runs eagerly; the tokens are those of
+``model.generate`` over the same cache (tested).
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import StaticCache
+from transformers import DynamicCache, StaticCache
 
 from oasis_hf import compat
 from oasis_hf.cache.pinned import capturing
 from oasis_hf.errors import UnsupportedError
 
 
-def greedy_continue(model, cache, first_ids: torch.Tensor, position: int, max_new_tokens: int,
-                    eos_token_id: int | list[int] | None = None, graphs: bool = True) -> torch.Tensor:
+def stack_caches(caches: list[DynamicCache]) -> DynamicCache:
+    """One `DynamicCache` of batch ``len(caches)`` from single-sequence caches that hold the same number of tokens in
+    every layer (what a scorer press leaves at one budget); the inputs are not modified."""
+    lengths = {layer.keys.shape[-2] for cache in caches for layer in cache.layers}
+    if len(lengths) != 1 or len({len(cache.layers) for cache in caches}) != 1:
+        raise UnsupportedError(f"stack_caches needs caches of one length and depth (got lengths {sorted(lengths)}); "
+                               "decode them one at a time instead")
+    stacked = DynamicCache()
+    for index in range(len(caches[0].layers)):
+        stacked.update(torch.cat([cache.layers[index].keys for cache in caches]),
+                       torch.cat([cache.layers[index].values for cache in caches]), index)
+    return stacked
+
+
+def greedy_continue(model, cache, first_ids: torch.Tensor, position: int | list[int], max_new_tokens: int,
+                    eos_token_id: int | list[int] | None = None, graphs: bool = True,
+                    pad_token_id: int | None = None) -> torch.Tensor:
     """Greedy tokens after `first_ids`, decoding over a copy of the prefilled `cache`.
 
     Parameters
     ----------
     model : a causal LM (any attention implementation transformers builds masks for, the "oasis" attention of
         `oasis_hf.enable` included: its mask function gives a StaticCache transformers' 4-D mask).
-    cache : a `DynamicCache` holding the prompt's KV (``(1, kv_heads, kept, head_dim)`` per layer, the same ``kept``
-        in every layer, as kvpress's scorer presses leave it); it is not modified.
-    first_ids : (1, 1) the first generated token (the argmax of the prefill's last logits).
-    position : rotary position of `first_ids`: the prompt's length before any compression.
+    cache : a `DynamicCache` holding the prompts' KV (``(B, kv_heads, kept, head_dim)`` per layer, the same ``kept``
+        in every layer, as kvpress's scorer presses leave it; `stack_caches` builds one from single prompts); it is
+        not modified.
+    first_ids : (B, 1) the first generated token of each row (the argmax of the prefill's last logits).
+    position : rotary position of `first_ids`: each prompt's length before any compression (an int for B = 1).
     max_new_tokens : tokens to generate after `first_ids` at most.
-    eos_token_id : stop after generating one of these.
+    eos_token_id : a row stops after generating one of these; decoding stops once every row has.
     graphs : capture the step as a CUDA graph on CUDA (the first step runs eagerly as warm-up).
+    pad_token_id : what a stopped row gets while the others decode (default: its first stop token).
 
     Returns
     -------
-    (1, 1 + n) `first_ids` followed by the ``n <= max_new_tokens`` tokens generated.
+    (B, 1 + n) `first_ids` followed by the ``n <= max_new_tokens`` tokens generated.
     """
-    if first_ids.shape != (1, 1):
-        raise UnsupportedError(f"greedy_continue decodes one sequence; first_ids has shape {tuple(first_ids.shape)}")
+    positions = [position] if isinstance(position, int) else [int(p) for p in position]
+    if first_ids.dim() != 2 or first_ids.shape[1] != 1 or first_ids.shape[0] != len(positions):
+        raise UnsupportedError(f"greedy_continue takes first_ids of shape (B, 1) and one position per row; got "
+                               f"{tuple(first_ids.shape)} and {len(positions)} positions")
     lengths = {layer.keys.shape[-2] for layer in cache.layers}
+    batches = {layer.keys.shape[0] for layer in cache.layers}
     if len(lengths) != 1 or any(getattr(layer, "is_sliding", False) for layer in cache.layers):
         raise UnsupportedError(
             f"greedy_continue needs every cache layer to hold the same number of full-attention tokens (got lengths "
             f"{sorted(lengths)}); decode with model.generate instead")
+    if batches != {len(positions)}:
+        raise UnsupportedError(f"the cache holds batch {sorted(batches)} but first_ids has {len(positions)} rows")
     stops = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
-    if max_new_tokens < 1 or first_ids.item() in stops:
+    stop_ids = torch.tensor(sorted(stops), dtype=first_ids.dtype, device=first_ids.device)
+    finished = torch.isin(first_ids[:, 0], stop_ids)
+    if max_new_tokens < 1 or bool(finished.all()):
         return first_ids
-    return _decode(model, cache, first_ids, position, max_new_tokens, stops, graphs, lengths.pop())
+    fill = pad_token_id if pad_token_id is not None else (min(stops) if stops else 0)
+    return _decode(model, cache, first_ids, positions, max_new_tokens, stop_ids, finished, fill, graphs,
+                   lengths.pop())
 
 
-def _decode(model, cache, first_ids, position: int, max_new_tokens: int, stops: set, graphs: bool,
-            kept: int) -> torch.Tensor:
+def _decode(model, cache, first_ids, position: list[int], max_new_tokens: int, stop_ids: torch.Tensor,
+            finished: torch.Tensor, fill: int, graphs: bool, kept: int) -> torch.Tensor:
     tokens = [first_ids]
     static = StaticCache(config=model.config, max_cache_len=kept + max_new_tokens)
     for layer, source in zip(static.layers, cache.layers, strict=True):
         layer.update(source.keys, source.values)
     ids = first_ids.clone()
-    positions = torch.full((1, 1), position, dtype=torch.long, device=first_ids.device)
+    positions = torch.tensor(position, dtype=torch.long, device=first_ids.device)[:, None]
     kwargs = {compat.cache_kwarg(model): static, "use_cache": True}
 
     def step() -> torch.Tensor:
@@ -89,9 +117,10 @@ def _decode(model, cache, first_ids, position: int, max_new_tokens: int, stops: 
             graph.replay()
         else:
             logits = step()
-        nxt = logits.argmax(-1, keepdim=True)
+        nxt = logits.argmax(-1, keepdim=True).masked_fill(finished[:, None], fill)
         tokens.append(nxt.clone())
-        if index + 1 == max_new_tokens or nxt.item() in stops:
+        finished |= torch.isin(nxt[:, 0], stop_ids)
+        if index + 1 == max_new_tokens or bool(finished.all()):  # one host synchronisation per step, as before
             break
         ids.copy_(nxt)
         positions.add_(1)

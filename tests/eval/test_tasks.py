@@ -291,6 +291,39 @@ def test_press_protocols_count_the_uncompressed_tail_inside_the_budget(press, pr
     assert kept_tokens(lm.model, cache) == {budget}
 
 
+@pytest.mark.parametrize("press", ["SnapKVPress", "AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))"])
+def test_press_rows_decode_a_batch_as_they_decode_one_request_at_a_time(press):
+    """A request batch (left padded, as lm-eval gives it): each prompt is compressed on its own; the compressed caches
+    that kept the same number of tokens decode together (a shorter prompt that kept all of its tokens in a batch of
+    its own), a head-wise press's rows one by one. Every row gets the tokens it gets alone."""
+    _kvpress_hooks_or_skip()
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eval.press_baselines import PressLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=128, vocab_size=128,
+                                         initializer_range=0.3))  # varied tokens (0.02 repeats one token)
+    tok = char_tokenizer()
+    start = SUITE_PROMPT.index("\nThe harbour")
+    prompts = [SUITE_PROMPT, SUITE_PROMPT[:start] + SUITE_PROMPT[start + 70:],  # two longer than the budget
+               SUITE_PROMPT[:60] + SUITE_PROMPT[SUITE_PROMPT.index("\nWhat"):]]  # one shorter: keeps every token
+    lm = PressLM(pretrained=model.eval(), tokenizer=tok, budget=288, device="cpu", batch_size=3, max_length=2048,
+                 press=press, protocol="query-aware")
+    batch = tok(prompts, padding=True, return_tensors="pt")
+    assert len(tok(prompts[2])["input_ids"]) < 288 < len(tok(prompts[1])["input_ids"])
+    width = batch["input_ids"].shape[1]
+    together = lm._model_generate(batch["input_ids"], width + 7, [], attention_mask=batch["attention_mask"],
+                                  do_sample=False)
+    for row, prompt in enumerate(prompts):
+        ids = tok(prompt, return_tensors="pt")["input_ids"]
+        alone = lm._model_generate(ids, ids.shape[1] + 7, [], do_sample=False)[0, ids.shape[1]:]
+        assert torch.equal(together[row, width : width + len(alone)], alone), row
+        assert bool((together[row, width + len(alone):] == tok.pad_token_id).all())
+
+
 def _kvpress_hooks_or_skip():
     """kvpress 0.5.5 and a transformers it can hook (5.17), or skip saying which is missing."""
     pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra; `pip install -e .[dev]`")
