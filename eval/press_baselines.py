@@ -179,7 +179,8 @@ class PressLM(OasisLM):
         max_new = max(1, max_length - context.shape[1]) - 1
         eos = self.model.generation_config.eos_token_id
         eos = eos if eos is not None else self.tokenizer.eos_token_id
-        pad = self.tokenizer.pad_token_id
+        pad = self.tokenizer.pad_token_id  # what a row that stopped early is filled with, in decoding and after
+        pad = pad if pad is not None else (eos if isinstance(eos, int) else eos[0])
         rows: list[torch.Tensor | None] = [None] * len(prompts)
         waiting = []  # (row, cache, first token) of the prompts whose caches decode together
         for row, ids in enumerate(prompts):
@@ -199,14 +200,13 @@ class PressLM(OasisLM):
                 waiting.append((row, cache, first))
         self._decode_together(waiting, prompts, rows, max_new, eos, pad)
         width = max(len(tokens) for tokens in rows)
-        fill = pad if pad is not None else (eos if isinstance(eos, int) else eos[0])
-        new = torch.full((len(rows), width), fill, dtype=context.dtype, device=context.device)
+        new = torch.full((len(rows), width), pad, dtype=context.dtype, device=context.device)
         for row, tokens in enumerate(rows):
             new[row, : len(tokens)] = tokens
         return torch.cat([context, new], dim=1)
 
     def _decode_together(self, waiting: list, prompts: list[torch.Tensor], rows: list, max_new: int, eos,
-                         pad: int | None) -> None:
+                         pad: int) -> None:
         """Greedy-decode the compressed caches of `waiting` in batches of those that kept the same number of tokens
         (every prompt longer than the budget keeps exactly the budget), writing each row's tokens into `rows`."""
         groups: dict[int, list] = {}

@@ -59,7 +59,7 @@ def greedy_continue(model, cache, first_ids: torch.Tensor, position: int | list[
     max_new_tokens : tokens to generate after `first_ids` at most.
     eos_token_id : a row stops after generating one of these; decoding stops once every row has.
     graphs : capture the step as a CUDA graph on CUDA (the first step runs eagerly as warm-up).
-    pad_token_id : what a stopped row gets while the others decode (default: its first stop token).
+    pad_token_id : what a stopped row gets while the others decode (default: the smallest stop id, 0 without any).
 
     Returns
     -------
