@@ -465,6 +465,11 @@ def carry_provenance(out: Path, payload: dict) -> dict:
     return payload
 
 
+def _same_run(a: dict, b: dict) -> bool:
+    """Whether two ``sources`` entries record the same process (its start time and command)."""
+    return all(a["env"].get(k) == b["env"].get(k) for k in ("timestamp", "command"))
+
+
 def merge_results(parser: argparse.ArgumentParser, args, preset: dict) -> list[dict]:
     """``--merge-from`` / ``--relabel``: rename --out's rows (``OLD=NEW``), unite the rows of other result files
     with them, and write --out's JSON, markdown and plot; returns the rows. The environment recorded stays --out's;
@@ -501,7 +506,12 @@ def merge_results(parser: argparse.ArgumentParser, args, preset: dict) -> list[d
             logger.warning("%s: %d (row, task) scores already in %s are kept from there: %s", other, len(clash),
                            path.name, clash[:5])
         others.append(other_rows)
-        sources.append({"file": result_path(other, ".json").name, "env": payload["env"]})
+        # A file that was itself resumed or united lists the runs that measured its rows under its own sources:
+        # those carry over (once each), then the process that wrote it.
+        name = result_path(other, ".json").name
+        for entry in [*payload.get("sources", []), {"file": name, "env": payload["env"]}]:
+            if not any(_same_run(entry, seen) for seen in sources):
+                sources.append(entry)
     merged = merge_rows(rows, *others)
     payload = {"env": base["env"], "preset": base.get("preset", args.preset), "config": base["config"],
                "rows": merged, "summary": summarize(merged), "parts": base.get("parts"), "sources": sources,

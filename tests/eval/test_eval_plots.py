@@ -299,6 +299,14 @@ def test_accuracy_merge_from_and_relabel(tmp_path, monkeypatch):
     payload = accuracy.carry_provenance(tmp_path / "later", {"env": {"gpu": "H100", "command": "again"}, "rows": []})
     assert [(s["file"], s["env"]["command"]) for s in payload["sources"]] == [("later.json", "later"),
                                                                           ("later.json (resumed)", "again")]
+    # A file that resumed a copy of --out lists --out's sources and the runs that measured its new rows: --merge-from
+    # carries those over once each, then the process that wrote the file (a --merge of a stopped run's parts).
+    measured = {"file": "copy.json (resumed)", "env": {"gpu": "A100", "command": "measured"}}
+    result_path(tmp_path / "copy", ".json").write_text(json.dumps(
+        {"config": config, "env": {"gpu": "A100", "command": "merger"}, "sources": [*merged["sources"], measured],
+         "rows": [_accuracy_rows(30000, {names[0]: 5.0})]}))
+    merged = run("--out", str(tmp_path / "main"), "--merge-from", str(tmp_path / "copy.json"))
+    assert [s["env"]["command"] for s in merged["sources"]] == ["main", "later", "measured", "merger"]
     with pytest.raises(SystemExit):  # the new rows already use the name: renaming onto them would mix two methods
         run("--out", str(tmp_path / "main"), "--relabel", "lookahead (draft model, block 32)=lookahead (draft model)")
     write("other_model", [new], "H200", model="smollm2-135m-instruct")
