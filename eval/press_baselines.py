@@ -20,9 +20,11 @@ graph replay on CUDA, eager elsewhere; every row gets the tokens it gets alone, 
 The uncompressed tail counts inside the budget: the press keeps ``budget - tail`` tokens per layer and KV head, so
 the cache holds ``budget`` tokens per layer and KV head when decoding starts, as OasisKV holds ``budget`` on the GPU.
 Head-wise presses (AdaKV) keep that many on average over a layer's heads; kvpress masks the pruned keys rather than
-freeing them, so their real memory stays the prompt's (the accuracy tables count the budget). Their decode runs
-eagerly and one prompt at a time: kvpress's masking searches for its fake key with a data-dependent loop, which a
-CUDA graph cannot hold, and it keeps the pruned keys of the last prefill only.
+freeing them, so their real memory stays the prompt's (the accuracy tables count the budget). Their rows decode
+eagerly, through kvpress's own masking: it searches for its fake key with a data-dependent loop, which a CUDA graph
+cannot hold. Each prompt's cache is compacted right after its prefill (`compact_headwise`: per KV head the slots it
+attends to, in order; the slots that pad a head to the longest stay masked), so a batch's caches stack
+(`stack_headwise`) and decode together; the tokens are those of decoding each uncompacted cache alone (tested).
 
 Press rows run on SDPA, whatever attention earlier rows switched the shared model to: kvpress wraps the attention
 functions registered when it is imported, and its head-wise masking lives in that wrapper.
@@ -123,8 +125,7 @@ def kept_tokens(model, cache: DynamicCache) -> set[int]:
     """Tokens per layer and KV head the cache holds for attention, on average over a layer's heads: its length less
     the keys a head-wise press masked (kvpress's AdaKV keeps them in memory but never attends to them)."""
     kept = set()
-    attention = [m for name, m in model.named_modules() if name.endswith("self_attn")]
-    for layer, module in zip(cache.layers, attention, strict=True):
+    for layer, module in zip(cache.layers, attention_modules(model), strict=True):
         batch, heads, length, _ = layer.keys.shape
         masked = getattr(module, "masked_key_indices", None)
         kept.add(length - (0 if masked is None else len(masked[0]) // (batch * heads)))
@@ -183,6 +184,7 @@ class PressLM(OasisLM):
         pad = pad if pad is not None else (eos if isinstance(eos, int) else eos[0])
         rows: list[torch.Tensor | None] = [None] * len(prompts)
         waiting = []  # (row, cache, first token) of the prompts whose caches decode together
+        masked = []  # (row, compacted head-wise cache, first token): these decode together, eagerly
         for row, ids in enumerate(prompts):
             tail = 0
             if self.protocol != "whole-prompt":
@@ -190,15 +192,13 @@ class PressLM(OasisLM):
                 tail = ids.shape[1] - (question if self.protocol == "query-agnostic" else cue)
             cache, logits = press_prefill(self.model, ids, self.press, self.budget, tail)
             first = logits.argmax(-1, keepdim=True)
-            if head_wise(self.model):
-                # kvpress keeps a head-wise press's pruned keys on the attention modules until the next prefill, so
-                # this prompt decodes now, on its own and eagerly (its masking loop is data-dependent).
-                with on_sdpa(self.model):
-                    rows[row] = greedy_continue(self.model, cache, first, position=ids.shape[1],
-                                                max_new_tokens=max_new, eos_token_id=eos, graphs=False)[0]
+            if head_wise(self.model):  # its masks live on the modules until the next prefill: taken out now
+                masked.append((row, compact_headwise(self.model, cache), first))
             else:
                 waiting.append((row, cache, first))
         self._decode_together(waiting, prompts, rows, max_new, eos, pad)
+        if masked:
+            self._decode_headwise(masked, prompts, rows, max_new, eos, pad)
         width = max(len(tokens) for tokens in rows)
         new = torch.full((len(rows), width), pad, dtype=context.dtype, device=context.device)
         for row, tokens in enumerate(rows):
@@ -221,6 +221,75 @@ class PressLM(OasisLM):
                                       pad_token_id=pad)
             for (row, _, _), tokens in zip(group, out, strict=True):
                 rows[row] = tokens
+
+
+    def _decode_headwise(self, masked: list, prompts: list[torch.Tensor], rows: list, max_new: int, eos,
+                         pad: int) -> None:
+        """Greedy-decode the compacted head-wise caches of `masked` as one batch, eagerly, with kvpress's masking of
+        the padding slots on the attention modules (cleared after), writing each row's tokens into `rows`."""
+        cache, indices = stack_headwise([item[1] for item in masked])
+        modules = attention_modules(self.model)
+        for module, layer_indices in zip(modules, indices, strict=True):
+            module.masked_key_indices = layer_indices if len(layer_indices[0]) else None
+        try:
+            with on_sdpa(self.model):
+                out = greedy_continue(self.model, cache, torch.cat([item[2] for item in masked]),
+                                      position=[prompts[item[0]].shape[1] for item in masked],
+                                      max_new_tokens=max_new, eos_token_id=eos, graphs=False, pad_token_id=pad)
+        finally:
+            for module in modules:
+                module.masked_key_indices = None
+        for (row, _, _), tokens in zip(masked, out, strict=True):
+            rows[row] = tokens
+
+
+def attention_modules(model) -> list[torch.nn.Module]:
+    """The model's attention modules in layer order (where kvpress's hooks and head-wise masks live)."""
+    return [module for name, module in model.named_modules() if name.endswith("self_attn")]
+
+
+def compact_headwise(model, cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """A head-wise press's single-prompt `cache` without the keys kvpress masked (AdaKV leaves them in memory and
+    masks them at every decode step): per layer and KV head the slots it attends to, in order, the heads padded to
+    the longest with slots that `stack_headwise` keeps masked. Returns per layer (keys, values, padding): (1, H, m,
+    D), (1, H, m, D) and (H, m) bool, True on padding; clears the masks from the attention modules."""
+    layers = []
+    for layer, module in zip(cache.layers, attention_modules(model), strict=True):
+        keys, values = layer.keys, layer.values
+        if keys.shape[0] != 1:
+            raise UnsupportedError(f"compact_headwise takes one prompt's cache, got batch {keys.shape[0]}")
+        heads, length = keys.shape[1], keys.shape[2]
+        keep = torch.ones(heads, length, dtype=torch.bool, device=keys.device)
+        indices = getattr(module, "masked_key_indices", None)
+        if indices is not None:
+            keep[indices[1].to(keys.device), indices[2].to(keys.device)] = False
+        counts = keep.sum(1)
+        width = int(counts.max())
+        order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :width]  # attended slots first
+        gather = order[None, :, :, None].expand(1, heads, width, keys.shape[-1])
+        padding = torch.arange(width, device=keys.device)[None] >= counts[:, None]
+        layers.append((keys.gather(2, gather), values.gather(2, gather), padding))
+        module.masked_key_indices = None
+    return layers
+
+
+def stack_headwise(items: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]) -> tuple[DynamicCache, list]:
+    """One `DynamicCache` of batch ``len(items)`` from `compact_headwise` results, every layer and row padded to the
+    longest (zeros, masked); returns it and, per layer, the padding as kvpress's ``masked_key_indices``
+    ``(batch, head, slot)``."""
+    width = max(keys.shape[2] for layers in items for keys, _, _ in layers)
+    stacked, masks = DynamicCache(), []
+    for index in range(len(items[0])):
+        keys, values, padding = [], [], []
+        for layers in items:
+            k, v, pad = layers[index]
+            extra = width - k.shape[2]
+            keys.append(torch.nn.functional.pad(k, (0, 0, 0, extra)))
+            values.append(torch.nn.functional.pad(v, (0, 0, 0, extra)))
+            padding.append(torch.nn.functional.pad(pad, (0, extra), value=True))
+        stacked.update(torch.cat(keys), torch.cat(values), index)
+        masks.append(tuple(torch.stack(padding).nonzero(as_tuple=True)))
+    return stacked, masks
 
 
 def unpadded(context: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
@@ -274,7 +343,7 @@ def cache_positions(model):
         return args, kwargs
 
     handles = [module.register_forward_pre_hook(add_positions, with_kwargs=True)
-               for name, module in model.named_modules() if name.endswith("self_attn")]
+               for module in attention_modules(model)]
     try:
         yield
     finally:

@@ -295,7 +295,7 @@ def test_press_protocols_count_the_uncompressed_tail_inside_the_budget(press, pr
 def test_press_rows_decode_a_batch_as_they_decode_one_request_at_a_time(press):
     """A request batch (left padded, as lm-eval gives it): each prompt is compressed on its own; the compressed caches
     that kept the same number of tokens decode together (a shorter prompt that kept all of its tokens in a batch of
-    its own), a head-wise press's rows one by one. Every row gets the tokens it gets alone."""
+    its own), a head-wise press's compacted rows together. Every row gets the tokens it gets alone."""
     _kvpress_hooks_or_skip()
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -322,6 +322,54 @@ def test_press_rows_decode_a_batch_as_they_decode_one_request_at_a_time(press):
         alone = lm._model_generate(ids, ids.shape[1] + 7, [], do_sample=False)[0, ids.shape[1]:]
         assert torch.equal(together[row, width : width + len(alone)], alone), row
         assert bool((together[row, width + len(alone):] == tok.pad_token_id).all())
+
+
+@pytest.mark.parametrize("protocol", ["query-aware", "query-agnostic"])
+def test_headwise_press_rows_decode_compacted_as_kvpress_decodes_each_masked_cache(protocol):
+    """AdaKV's rows: each prompt's masked cache compacted (per KV head its attended slots, the padding masked) and a
+    batch of them decoded together gives the tokens of kvpress's own masking over each full cache alone (the path
+    the rows took before compaction); the masks are gone from the model afterwards."""
+    _kvpress_hooks_or_skip()
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eval.press_baselines import PressLM, attention_modules, on_sdpa, press_prefill, question_split
+    from eval.static_decode import greedy_continue
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=256, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=128,
+                                         initializer_range=0.3)).eval()
+    tok = char_tokenizer()
+    start = SUITE_PROMPT.index("\nThe harbour")
+    prompts = [SUITE_PROMPT, SUITE_PROMPT[:start] + SUITE_PROMPT[start + 70:], SUITE_PROMPT[: start - 40]
+               + SUITE_PROMPT[start:]]
+    lm = PressLM(pretrained=model, tokenizer=tok, budget=288, device="cpu", batch_size=3, max_length=2048,
+                 press="AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))", protocol=protocol)
+    eos = lm.model.generation_config.eos_token_id
+    eos = eos if eos is not None else tok.eos_token_id
+    expected, widths = [], []
+    for prompt in prompts:
+        ids = tok(prompt, return_tensors="pt")["input_ids"]
+        question, cue = question_split(tok, ids[0].tolist())
+        tail = ids.shape[1] - (question if protocol == "query-agnostic" else cue)
+        cache, logits = press_prefill(lm.model, ids, lm.press, 288, tail)
+        masked = [module.masked_key_indices for module in attention_modules(lm.model)]
+        assert all(m is not None for m in masked)
+        heads = torch.stack([torch.bincount(m[1], minlength=2) for m in masked])
+        widths.append(ids.shape[1] - int(heads.min()))
+        with on_sdpa(lm.model):  # kvpress's masking over the whole prompt's keys
+            expected.append(greedy_continue(lm.model, cache, logits.argmax(-1, keepdim=True), position=ids.shape[1],
+                                            max_new_tokens=6, eos_token_id=eos, graphs=False)[0])
+    assert len(set(widths)) > 1  # the heads of a layer kept different counts: the compaction pads them
+    batch = tok(prompts, padding=True, return_tensors="pt")
+    width = batch["input_ids"].shape[1]
+    together = lm._model_generate(batch["input_ids"], width + 7, [], attention_mask=batch["attention_mask"],
+                                  do_sample=False)
+    for row, tokens in enumerate(expected):
+        assert torch.equal(together[row, width : width + len(tokens)], tokens), row
+        assert bool((together[row, width + len(tokens):] == tok.pad_token_id).all())
+    assert all(getattr(m, "masked_key_indices", None) is None for m in attention_modules(lm.model))
 
 
 def _kvpress_hooks_or_skip():
