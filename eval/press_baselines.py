@@ -11,9 +11,11 @@ graph replay on CUDA, eager elsewhere; every row gets the tokens it gets alone, 
 - ``protocol``: which part of the prompt the press sees. The suite's prompts end with a question line and the
   answer cue ``Answer:``.
   - ``query-agnostic`` (kvpress's default): the context is compressed; the question and the cue are prefilled
-    uncompressed after it.
+    uncompressed after it. This is ``KVPressTextGenerationPipeline(context, question=..., answer_prefix="Answer:")``
+    token for token: the rows answer as kvpress's pipeline does (tested, SnapKV and AdaKV expected attention).
   - ``query-aware`` (``query_aware=True`` in kvpress's evaluation): context and question are compressed; the cue
-    follows uncompressed.
+    follows uncompressed. kvpress's evaluation appends the question to the context and prefills ``"\n" +
+    answer_prefix``; here the newline before the cue is compressed with the question, one token's difference.
   - ``whole-prompt``: everything is compressed, cue included. This is not a kvpress protocol; it is kept to compare
     with results that ran that way.
 

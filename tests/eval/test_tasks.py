@@ -372,6 +372,45 @@ def test_headwise_press_rows_decode_compacted_as_kvpress_decodes_each_masked_cac
     assert all(getattr(m, "masked_key_indices", None) is None for m in attention_modules(lm.model))
 
 
+@pytest.mark.parametrize("press", ["SnapKVPress", "AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))"])
+def test_query_agnostic_press_rows_answer_as_kvpress_pipeline(press):
+    """The query-agnostic protocol is kvpress's own pipeline: ``KVPressTextGenerationPipeline`` with the context
+    before the question line, the question, and the answer cue as ``answer_prefix`` (it compresses the context,
+    prefills question + newline + prefix after it at the full positions, decodes greedily) answers what a press row
+    answers, at the same compression ratio. (The pipeline runs under `cache_positions`, the hook PressLM adds for
+    kvpress 0.5.5 on transformers 5.17.)"""
+    _kvpress_hooks_or_skip()
+    import torch
+    from kvpress import KVPressTextGenerationPipeline
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eval.press_baselines import PressLM, cache_positions, make_press, on_sdpa, press_ratio
+
+    torch.manual_seed(1)
+    # head_dim 128 and 2 query heads per KV head: AdaKV's patch must find one key direction that every query of the
+    # ~70-token question prefill points away from (it raises otherwise, in kvpress's pipeline as in PressLM).
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=128, vocab_size=128,
+                                         initializer_range=0.3)).eval()
+    tok = char_tokenizer()
+    tok.bos_token = "<unk>"  # the pipeline puts the tokenizer's BOS before a context without a chat template
+    budget, new = 288, 8
+    lm = PressLM(pretrained=model, tokenizer=tok, budget=budget, device="cpu", batch_size=1, max_length=2048,
+                 press=press, protocol="query-agnostic")
+    pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tok, device="cpu")
+    question_at, cue_at = SUITE_PROMPT.rindex("\nWhat") + 1, SUITE_PROMPT.rindex("\nAnswer:")
+    context, question = SUITE_PROMPT[:question_at], SUITE_PROMPT[question_at:cue_at]
+    ids = tok(tok.bos_token + SUITE_PROMPT, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    ours = lm._model_generate(ids, ids.shape[1] + new, [], do_sample=False)[0, ids.shape[1]:]
+    kv_press = make_press(press, model)
+    head = len(tok(tok.bos_token + context, add_special_tokens=False)["input_ids"])
+    kv_press.compression_ratio = press_ratio(budget - (ids.shape[1] - head), head)
+    with on_sdpa(model), cache_positions(model):
+        theirs = pipe(context, question=question, answer_prefix="Answer:", press=kv_press, max_new_tokens=new)
+    assert theirs["answer"] == tok.decode(ours, skip_special_tokens=True)
+    assert len(theirs["answer"]) > 2  # a few characters before any EOS: the comparison has something to compare
+
+
 def _kvpress_hooks_or_skip():
     """kvpress 0.5.5 and a transformers it can hook (5.17), or skip saying which is missing."""
     pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra; `pip install -e .[dev]`")
