@@ -21,7 +21,9 @@ transformers' ``generate`` for both instead. Dense rows always use ``generate``.
 ``--parts N`` runs the preset as N worker processes (worker K on GPU K modulo the GPUs there are) that claim rows from a
 shared list as they go (a (row, task)'s claim is a file created exclusively under ``<out>.claims/``), each writing its
 own ``<out>.partK`` files, then merges them into ``--out``: on an 8-GPU machine the 30,000 requests take about an
-eighth of the time. A worker that dies leaves its claimed task undone; ``--resume`` runs it next time.
+eighth of the time. A task whose harness call raises (an out-of-memory, a press that cannot run) is recorded under
+its row's ``errors`` and listed under the table; the worker goes on with its other tasks and exits non-zero at the end.
+A worker that dies leaves its claimed task undone. ``--resume`` runs both kinds again.
 
 Lengths beyond the model's trained window (``--lengths 65536`` on Qwen2.5's 32k) run with YaRN rope scaling, as the
 model card describes, target and draft alike (`eval._harness.yarn_context`); the rows at shorter lengths run the
@@ -215,6 +217,7 @@ def main() -> None:
     draft = None  # loaded by the first row that runs with it: a run of baseline rows never reads its weights
     suite = cached_suite(tokenizer, preset["model"], preset["lengths"], preset["samples"])
     manager = TaskManager(include_path=[str(folder) for folder in suite])
+    failed: list[str] = []  # tasks that raised: recorded in their rows, reported at the end
     # One harness call per (length, method, budget, task): each finished task is written at once, so a time
     # limit loses at most the task in flight, and a row's average appears when all its tasks are in.
     for length in preset["lengths"]:
@@ -240,34 +243,54 @@ def main() -> None:
                     for task in todo:
                         if args.part is not None and not claim(args.out, (*key, task)):
                             continue  # another worker has it
-                        if lm is None:
-                            if needs_draft:
-                                if draft is None:
-                                    draft = models.load(preset["draft"], device=device)[0]
-                                    preset["shapes"]["draft"] = kv_shape(draft)
-                                    stretched.enter_context(yarn_context(draft, need))
-                                fields["draft_model"] = draft
-                            lm_class = PressLM if "press" in fields else OasisLM
-                            lm = lm_class(pretrained=model, tokenizer=tokenizer, budget=budget or 2048,
-                                          device=device, batch_size=batch_size, graphs=preset["whole_step_graphs"],
-                                          **fields)
                         name = f"oasis_ruler_{task}_{length}"
                         started = time.perf_counter()
-                        out = lm_eval.simple_evaluate(model=lm, tasks=[name], task_manager=manager,
-                                                      apply_chat_template=args.chat_template)
+                        try:
+                            if lm is None:
+                                if needs_draft:
+                                    if draft is None:
+                                        draft = models.load(preset["draft"], device=device)[0]
+                                        preset["shapes"]["draft"] = kv_shape(draft)
+                                        stretched.enter_context(yarn_context(draft, need))
+                                    fields["draft_model"] = draft
+                                lm_class = PressLM if "press" in fields else OasisLM
+                                lm = lm_class(pretrained=model, tokenizer=tokenizer, budget=budget or 2048,
+                                              device=device, batch_size=batch_size,
+                                              graphs=preset["whole_step_graphs"], **fields)
+                            out = lm_eval.simple_evaluate(model=lm, tasks=[name], task_manager=manager,
+                                                          apply_chat_template=args.chat_template)
+                        except Exception as exc:  # noqa: BLE001 - recorded and reported; the other tasks still run
+                            logger.exception("%s @%s, %d tokens, %s raised", method, budget, length, task)
+                            failed.append(f"{label} @{budget or 'full'}, {length} tokens, {task}")
+                            row = _row(rows, key, previous)
+                            row.setdefault("errors", {})[task] = f"{type(exc).__name__}: {exc}"[:300]
+                            report(args, preset, model, rows, lm_eval.__version__, final=False)
+                            continue
                         seconds = time.perf_counter() - started
-                        row = next((r for r in rows if row_key(r) == key), None)
-                        if row is None:
-                            row = {"method": label, "budget": budget or "full", "length": length,
-                                   **{t: v for t, v in previous.get(key, {}).items() if t in TASKS or t == "seconds"}}
-                            rows.append(row)
+                        row = _row(rows, key, previous)
                         row[task] = out["results"][name]["score,none"]
                         row.setdefault("seconds", {})[task] = round(seconds, 1)
+                        if row.get("errors", {}).pop(task, None) is not None and not row["errors"]:
+                            del row["errors"]
                         complete_row(row)
                         logger.info("%s @%s, %d tokens, %s: %.1f in %.0f s%s", method, budget, length, task, row[task],
                                     seconds, f" (row average {row['average']:.1f})" if "average" in row else "")
                         report(args, preset, model, rows, lm_eval.__version__, final=False)
     report(args, preset, model, rows, lm_eval.__version__, final=True)
+    if failed:
+        raise SystemExit(f"{len(failed)} task(s) raised (their errors are under 'errors' in {args.out}, their "
+                         f"tracebacks above; --resume runs them again): {failed}")
+
+
+def _row(rows: list[dict], key: tuple, previous: dict) -> dict:
+    """The row of `key` in `rows`, made (with the task scores --out already holds for it) on first use."""
+    row = next((r for r in rows if row_key(r) == key), None)
+    if row is None:
+        label, budget, length = key
+        row = {"method": label, "budget": budget, "length": length,
+               **{t: v for t, v in previous.get(key, {}).items() if t in TASKS or t == "seconds"}}
+        rows.append(row)
+    return row
 
 
 def cached_suite(tokenizer, model_name: str, lengths: list[int], samples: int) -> list[Path]:
@@ -346,6 +369,12 @@ def merge_rows(*row_lists: list[dict]) -> list[dict]:
                         into.setdefault("seconds", {})[task] = row["seconds"][task]
             if "average" in row and not any(task in row for task in TASKS):  # a row written without its tasks
                 into.setdefault("average", row["average"])
+            for task, error in row.get("errors", {}).items():
+                into.setdefault("errors", {}).setdefault(task, error)
+    for row in merged.values():  # an error stays listed only where no run scored the task
+        errors = {task: error for task, error in row.pop("errors", {}).items() if task not in row}
+        if errors:
+            row["errors"] = errors
     return [complete_row(row) for row in merged.values()]
 
 
@@ -573,12 +602,18 @@ def _tables(header: str, rows: list[dict], shapes: dict | None = None) -> str:
     table = header + "Suite average per method and budget (mean over the lengths measured):\n\n"
     table += markdown_table(summarize(rows), ["method", "budget", "average", "lengths"] + [f"@{n}" for n in lengths])
     table += "\n\nPer task, length, method and budget:\n\n"
-    tasks = sorted({k for r in rows for k in r} - {"method", "budget", "length", "average", "seconds", *MEMORY})
+    tasks = sorted({k for r in rows for k in r} - {"method", "budget", "length", "average", "seconds", "errors",
+                                                     *MEMORY})
+    errors = [f"- {r['method']} @{r['budget']}, {r['length']} tokens, {task}: `{error}`"
+              for r in rows for task, error in sorted(r.get("errors", {}).items())]
     memory = []
     if shapes and shapes.get("model"):
         rows = [row | memory_columns(row, shapes) for row in rows]
         memory = [c for c in MEMORY if any(c in r for r in rows)]
-    return table + markdown_table(rows, ["method", "budget", "length", "average", *tasks, *memory])
+    table += markdown_table(rows, ["method", "budget", "length", "average", *tasks, *memory])
+    if errors:
+        table += "\n\nTasks that raised (no score; `--resume` runs them again):\n\n" + "\n".join(errors) + "\n"
+    return table
 
 
 #: GPU memory columns of a row (MiB): per sequence, and the draft's weights, which a batch shares.

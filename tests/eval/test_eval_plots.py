@@ -325,6 +325,60 @@ def test_environment_records_the_code_identity_taken_when_the_run_started(monkey
     assert _common.environment()["source_sha256"] == first["source_sha256"] != "edited-later"
 
 
+def test_accuracy_records_a_task_that_raises_and_runs_the_rest(tmp_path, monkeypatch):
+    """A task whose harness call raises (kvpress's fake-key search failing, an out-of-memory) is recorded under the
+    row's 'errors' and listed under the table, the worker's other tasks still run, and the run exits non-zero
+    saying which; --resume runs the task again, and its score replaces the error."""
+    import contextlib
+    import sys
+
+    import lm_eval
+    import lm_eval.tasks
+    import torch
+
+    from eval import accuracy, press_baselines
+    from eval.plot import result_path
+
+    class FakeLM:
+        def __init__(self, **kwargs):
+            pass
+
+    monkeypatch.setattr(accuracy.models, "load", lambda name, device=None: (torch.nn.Linear(1, 1), "tokenizer"))
+    monkeypatch.setattr(accuracy, "cached_suite", lambda *args: [])
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda include_path: None)
+    monkeypatch.setattr(press_baselines, "PressLM", FakeLM)
+    monkeypatch.setattr(accuracy, "kv_shape", lambda model: {})
+    monkeypatch.setattr(accuracy, "yarn_context", lambda model, tokens: contextlib.nullcontext())
+    broken = {"oasis_ruler_vt_8192"}
+
+    def evaluate(model, tasks, task_manager, **kwargs):
+        if tasks[0] in broken:
+            raise ValueError("Could not find fake keys such that for every query q, exp(<q, k>) = 0")
+        return {"results": {tasks[0]: {"score,none": 50.0}}}
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", evaluate)
+    out = tmp_path / "acc"
+    argv = ["eval.accuracy", "--preset", "gpu-qwen-1.5b", "--device", "cpu", "--lengths", "8192", "--budgets", "512",
+            "--tasks", "niah_single", "vt", "qa", "--out", str(out), "--methods", "kvpress SnapKV (query-agnostic)"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit, match="1 task.*vt"):
+        accuracy.main()
+    (row,) = json.loads(result_path(out, ".json").read_text())["rows"]
+    assert row["niah_single"] == row["qa"] == 50.0 and "vt" not in row  # the task after the failure ran too
+    assert row["errors"] == {"vt": "ValueError: Could not find fake keys such that for every query q, exp(<q, k>) = 0"}
+    assert "Tasks that raised" in result_path(out, ".md").read_text()
+    broken.clear()
+    monkeypatch.setattr(sys, "argv", [*argv, "--resume"])
+    accuracy.main()
+    (row,) = json.loads(result_path(out, ".json").read_text())["rows"]
+    assert row["vt"] == 50.0 and "errors" not in row
+    assert "Tasks that raised" not in result_path(out, ".md").read_text()
+    # Rows united from runs keep an error only where no run scored the task.
+    failed = {"method": "m", "budget": 512, "length": 8192, "errors": {"vt": "E", "qa": "E"}}
+    (merged,) = accuracy.merge_rows([failed], [{"method": "m", "budget": 512, "length": 8192, "vt": 1.0}])
+    assert merged["errors"] == {"qa": "E"} and merged["vt"] == 1.0
+
+
 def test_accuracy_loads_the_draft_only_for_a_row_that_runs_with_it(tmp_path, monkeypatch):
     """A run of baseline rows never loads the draft (a GPU session that runs only the presses need not carry its
     weights); the first drafted row loads it once and hands it to every drafted row; a drafted method on a preset
