@@ -437,8 +437,9 @@ def run_parts(parser: argparse.ArgumentParser, args) -> None:
         raise SystemExit(f"stopped by SIGTERM: the {len(rows)} finished rows are merged into {args.out}; run again "
                          "with --resume for the rest")
     if failed:
-        raise SystemExit(f"workers {failed} of --parts {args.parts} failed (their claimed rows are not in "
-                         f"{args.out}); see their logs above, then run again with --resume")
+        raise SystemExit(f"workers {failed} of --parts {args.parts} failed: tasks that raised are listed under "
+                         f"'errors' in {args.out}, a worker that died left its claimed task undone; see their logs "
+                         "above, then run again with --resume")
 
 
 def preset_of(args) -> dict:
