@@ -411,6 +411,42 @@ def test_query_agnostic_press_rows_answer_as_kvpress_pipeline(press):
     assert len(theirs["answer"]) > 2  # a few characters before any EOS: the comparison has something to compare
 
 
+@pytest.mark.slow
+def test_query_agnostic_press_rows_answer_as_kvpress_pipeline_on_a_real_model():
+    """The same check on SmolLM2-135M-Instruct (where it is assembled: `oasis-hf models assemble
+    smollm2-135m-instruct`) with a 2,000-token niah_single prompt of the suite: SnapKV and AdaKV expected attention at
+    two budgets give kvpress's pipeline's answers (its chat template off: the suite's prompts are plain text)."""
+    _kvpress_hooks_or_skip()
+    from kvpress import KVPressTextGenerationPipeline
+
+    from eval.press_baselines import PressLM, cache_positions, make_press, on_sdpa, press_ratio
+    from eval.tasks.ruler import generate
+    from oasis_hf import models
+
+    if not models.assembled_path("smollm2-135m-instruct").is_file():
+        pytest.skip("smollm2-135m-instruct is not assembled here (oasis-hf models assemble smollm2-135m-instruct)")
+    pytest.importorskip("gguf", reason="reading a GGUF needs the gguf package (pip install -e '.[models]')")
+    model, tok = models.load("smollm2-135m-instruct", device="cpu")
+    tok.chat_template = None
+    prompt = generate("niah_single", 2000, 1, tok)[0]["input"]
+    question_at, cue_at = prompt.rindex("\nWhat") + 1, prompt.rindex("\nAnswer:")
+    context, question = prompt[:question_at], prompt[question_at:cue_at]
+    bos = tok.bos_token or ""
+    ids = tok(bos + prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    head = len(tok(bos + context, add_special_tokens=False)["input_ids"])
+    pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tok, device="cpu")
+    for spec in ("SnapKVPress", "AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))"):
+        for budget in (512, 1024):
+            lm = PressLM(pretrained=model, tokenizer=tok, budget=budget, device="cpu", batch_size=1, max_length=4096,
+                         press=spec, protocol="query-agnostic")
+            ours = lm._model_generate(ids, ids.shape[1] + 12, [], do_sample=False)[0, ids.shape[1]:]
+            press = make_press(spec, model)
+            press.compression_ratio = press_ratio(budget - (ids.shape[1] - head), head)
+            with on_sdpa(model), cache_positions(model):
+                theirs = pipe(context, question=question, answer_prefix="Answer:", press=press, max_new_tokens=12)
+            assert theirs["answer"] == tok.decode(ours, skip_special_tokens=True), (spec, budget)
+
+
 def _kvpress_hooks_or_skip():
     """kvpress 0.5.5 and a transformers it can hook (5.17), or skip saying which is missing."""
     pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra; `pip install -e .[dev]`")
