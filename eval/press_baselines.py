@@ -174,7 +174,7 @@ class PressLM(OasisLM):
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
         """A request batch (B, n), left padded as lm-eval gives it (`attention_mask`): each prompt compressed on its
-        own, then the compressed caches decoded together where the press left them alike (`_decode_together`);
+        own, then the compressed caches decoded together where they stack (`_decode`);
         returns (B, n + m), finished rows padded."""
         if bool(generation_kwargs.get("do_sample")) and float(generation_kwargs.get("temperature") or 0.0) > 0:
             raise UnsupportedError("the press rows decode greedily; set do_sample=False")
@@ -185,63 +185,48 @@ class PressLM(OasisLM):
         pad = self.tokenizer.pad_token_id  # what a row that stopped early is filled with, in decoding and after
         pad = pad if pad is not None else (eos if isinstance(eos, int) else eos[0])
         rows: list[torch.Tensor | None] = [None] * len(prompts)
-        waiting = []  # (row, cache, first token) of the prompts whose caches decode together
-        masked = []  # (row, compacted head-wise cache, first token): these decode together, eagerly
-        for row, ids in enumerate(prompts):
-            tail = 0
-            if self.protocol != "whole-prompt":
-                question, cue = question_split(self.tokenizer, ids[0].tolist())
-                tail = ids.shape[1] - (question if self.protocol == "query-agnostic" else cue)
-            cache, logits = press_prefill(self.model, ids, self.press, self.budget, tail)
-            first = logits.argmax(-1, keepdim=True)
-            if head_wise(self.model):  # its masks live on the modules until the next prefill: taken out now
-                masked.append((row, compact_headwise(self.model, cache), first))
-            else:
-                waiting.append((row, cache, first))
-        self._decode_together(waiting, prompts, rows, max_new, eos, pad)
-        if masked:
-            self._decode_headwise(masked, prompts, rows, max_new, eos, pad)
+        alike: dict[int, list] = {}  # kept tokens -> (row, cache, first token): these caches stack as they are
+        masked = []  # (row, compacted head-wise cache, first token): these stack padded, their padding masked
+        try:
+            for row, ids in enumerate(prompts):
+                tail = 0
+                if self.protocol != "whole-prompt":
+                    question, cue = question_split(self.tokenizer, ids[0].tolist())
+                    tail = ids.shape[1] - (question if self.protocol == "query-agnostic" else cue)
+                cache, logits = press_prefill(self.model, ids, self.press, self.budget, tail)
+                first = logits.argmax(-1, keepdim=True)
+                if head_wise(self.model):  # its masks live on the modules until the next prefill: taken out now
+                    masked.append((row, compact_headwise(self.model, cache), first))
+                else:  # every prompt longer than the budget keeps exactly the budget
+                    alike.setdefault(cache.layers[0].keys.shape[-2], []).append((row, cache, first))
+            for group in alike.values():
+                self._decode(stack_caches([item[1] for item in group]), group, prompts, rows, max_new, eos, pad)
+            if masked:
+                cache, padding = stack_headwise([item[1] for item in masked])
+                self._decode(cache, masked, prompts, rows, max_new, eos, pad, padding)
+        finally:  # no head-wise mask outlives the batch (the next row on this model may be any method)
+            for module in attention_modules(self.model):
+                module.masked_key_indices = None
         width = max(len(tokens) for tokens in rows)
         new = torch.full((len(rows), width), pad, dtype=context.dtype, device=context.device)
         for row, tokens in enumerate(rows):
             new[row, : len(tokens)] = tokens
         return torch.cat([context, new], dim=1)
 
-    def _decode_together(self, waiting: list, prompts: list[torch.Tensor], rows: list, max_new: int, eos,
-                         pad: int) -> None:
-        """Greedy-decode the compressed caches of `waiting` in batches of those that kept the same number of tokens
-        (every prompt longer than the budget keeps exactly the budget), writing each row's tokens into `rows`."""
-        groups: dict[int, list] = {}
-        for item in waiting:
-            groups.setdefault(item[1].layers[0].keys.shape[-2], []).append(item)
-        for group in groups.values():
-            cache = stack_caches([item[1] for item in group])
-            first = torch.cat([item[2] for item in group])
-            with on_sdpa(self.model):
-                out = greedy_continue(self.model, cache, first, position=[prompts[item[0]].shape[1] for item in group],
-                                      max_new_tokens=max_new, eos_token_id=eos, graphs=self.graphs,
-                                      pad_token_id=pad)
-            for (row, _, _), tokens in zip(group, out, strict=True):
-                rows[row] = tokens
-
-
-    def _decode_headwise(self, masked: list, prompts: list[torch.Tensor], rows: list, max_new: int, eos,
-                         pad: int) -> None:
-        """Greedy-decode the compacted head-wise caches of `masked` as one batch, eagerly, with kvpress's masking of
-        the padding slots on the attention modules (cleared after), writing each row's tokens into `rows`."""
-        cache, indices = stack_headwise([item[1] for item in masked])
-        modules = attention_modules(self.model)
-        for module, layer_indices in zip(modules, indices, strict=True):
-            module.masked_key_indices = layer_indices if len(layer_indices[0]) else None
-        try:
-            with on_sdpa(self.model):
-                out = greedy_continue(self.model, cache, torch.cat([item[2] for item in masked]),
-                                      position=[prompts[item[0]].shape[1] for item in masked],
-                                      max_new_tokens=max_new, eos_token_id=eos, graphs=False, pad_token_id=pad)
-        finally:
-            for module in modules:
-                module.masked_key_indices = None
-        for (row, _, _), tokens in zip(masked, out, strict=True):
+    def _decode(self, cache: DynamicCache, items: list, prompts: list[torch.Tensor], rows: list, max_new: int, eos,
+                pad: int, padding: list | None = None) -> None:
+        """Greedy-decode the stacked `cache` of `items` ((row, cache, first token) each), writing each row's tokens
+        into `rows`. With `padding` (per layer, kvpress's ``masked_key_indices`` of a `stack_headwise` batch) the
+        slots named there are masked by kvpress's patch, eagerly; otherwise each step is a CUDA graph where
+        ``graphs`` allows."""
+        if padding is not None:
+            for module, indices in zip(attention_modules(self.model), padding, strict=True):
+                module.masked_key_indices = indices if len(indices[0]) else None
+        with on_sdpa(self.model):
+            out = greedy_continue(self.model, cache, torch.cat([item[2] for item in items]),
+                                  position=[prompts[item[0]].shape[1] for item in items], max_new_tokens=max_new,
+                                  eos_token_id=eos, graphs=self.graphs and padding is None, pad_token_id=pad)
+        for (row, _, _), tokens in zip(items, out, strict=True):
             rows[row] = tokens
 
 

@@ -253,15 +253,13 @@ def test_press_protocols_count_the_uncompressed_tail_inside_the_budget(press, pr
     _kvpress_hooks_or_skip()
     import torch
     from lm_eval.api.instance import Instance
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from eval.press_baselines import PressLM, kept_tokens, question_split
 
     torch.manual_seed(0)
     # head_dim 128 as in the real models: kvpress's head-wise masking needs a key direction that every query of the
     # uncompressed tail scores negatively, which 16 dimensions do not offer for a hundred queries
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1, head_dim=128, vocab_size=128))
+    model = _tiny_llama(init=0.02)
     tok = char_tokenizer()
     budget = 160
     lm = PressLM(pretrained=model.eval(), tokenizer=tok, budget=budget, device="cpu", batch_size=1,
@@ -298,14 +296,11 @@ def test_press_rows_decode_a_batch_as_they_decode_one_request_at_a_time(press):
     its own), a head-wise press's compacted rows together. Every row gets the tokens it gets alone."""
     _kvpress_hooks_or_skip()
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from eval.press_baselines import PressLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1, head_dim=128, vocab_size=128,
-                                         initializer_range=0.3))  # varied tokens (0.02 repeats one token)
+    model = _tiny_llama()
     tok = char_tokenizer()
     start = SUITE_PROMPT.index("\nThe harbour")
     prompts = [SUITE_PROMPT, SUITE_PROMPT[:start] + SUITE_PROMPT[start + 70:],  # two longer than the budget
@@ -331,15 +326,12 @@ def test_headwise_press_rows_decode_compacted_as_kvpress_decodes_each_masked_cac
     the rows took before compaction); the masks are gone from the model afterwards."""
     _kvpress_hooks_or_skip()
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from eval.press_baselines import PressLM, attention_modules, on_sdpa, press_prefill, question_split
     from eval.static_decode import greedy_continue
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=256, num_hidden_layers=3,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=128,
-                                         initializer_range=0.3)).eval()
+    model = _tiny_llama(layers=3, heads=4, kv_heads=2, head_dim=64)
     tok = char_tokenizer()
     start = SUITE_PROMPT.index("\nThe harbour")
     prompts = [SUITE_PROMPT, SUITE_PROMPT[:start] + SUITE_PROMPT[start + 70:], SUITE_PROMPT[: start - 40]
@@ -374,41 +366,20 @@ def test_headwise_press_rows_decode_compacted_as_kvpress_decodes_each_masked_cac
 
 @pytest.mark.parametrize("press", ["SnapKVPress", "AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))"])
 def test_query_agnostic_press_rows_answer_as_kvpress_pipeline(press):
-    """The query-agnostic protocol is kvpress's own pipeline: ``KVPressTextGenerationPipeline`` with the context
-    before the question line, the question, and the answer cue as ``answer_prefix`` (it compresses the context,
-    prefills question + newline + prefix after it at the full positions, decodes greedily) answers what a press row
-    answers, at the same compression ratio. (The pipeline runs under `cache_positions`, the hook PressLM adds for
-    kvpress 0.5.5 on transformers 5.17.)"""
+    """The query-agnostic protocol is kvpress's own pipeline (`_agnostic_answers`): it compresses the context,
+    prefills question + newline + prefix after it at the full positions and decodes greedily, answering what a press
+    row answers at the same compression ratio."""
     _kvpress_hooks_or_skip()
     import torch
-    from kvpress import KVPressTextGenerationPipeline
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from eval.press_baselines import PressLM, cache_positions, make_press, on_sdpa, press_ratio
 
     torch.manual_seed(1)
     # head_dim 128 and 2 query heads per KV head: AdaKV's patch must find one key direction that every query of the
     # ~70-token question prefill points away from (it raises otherwise, in kvpress's pipeline as in PressLM).
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1, head_dim=128, vocab_size=128,
-                                         initializer_range=0.3)).eval()
     tok = char_tokenizer()
-    tok.bos_token = "<unk>"  # the pipeline puts the tokenizer's BOS before a context without a chat template
-    budget, new = 288, 8
-    lm = PressLM(pretrained=model, tokenizer=tok, budget=budget, device="cpu", batch_size=1, max_length=2048,
-                 press=press, protocol="query-agnostic")
-    pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tok, device="cpu")
-    question_at, cue_at = SUITE_PROMPT.rindex("\nWhat") + 1, SUITE_PROMPT.rindex("\nAnswer:")
-    context, question = SUITE_PROMPT[:question_at], SUITE_PROMPT[question_at:cue_at]
-    ids = tok(tok.bos_token + SUITE_PROMPT, return_tensors="pt", add_special_tokens=False)["input_ids"]
-    ours = lm._model_generate(ids, ids.shape[1] + new, [], do_sample=False)[0, ids.shape[1]:]
-    kv_press = make_press(press, model)
-    head = len(tok(tok.bos_token + context, add_special_tokens=False)["input_ids"])
-    kv_press.compression_ratio = press_ratio(budget - (ids.shape[1] - head), head)
-    with on_sdpa(model), cache_positions(model):
-        theirs = pipe(context, question=question, answer_prefix="Answer:", press=kv_press, max_new_tokens=new)
-    assert theirs["answer"] == tok.decode(ours, skip_special_tokens=True)
-    assert len(theirs["answer"]) > 2  # a few characters before any EOS: the comparison has something to compare
+    tok.bos_token = "<unk>"  # the pipeline reads the tokenizer's BOS
+    ours, theirs = _agnostic_answers(_tiny_llama(), tok, press, SUITE_PROMPT, budget=288, new=8)
+    assert theirs == ours
+    assert len(theirs) > 2  # a few characters before any EOS: the comparison has something to compare
 
 
 @pytest.mark.slow
@@ -417,9 +388,6 @@ def test_query_agnostic_press_rows_answer_as_kvpress_pipeline_on_a_real_model():
     smollm2-135m-instruct`) with a 2,000-token niah_single prompt of the suite: SnapKV and AdaKV expected attention at
     two budgets give kvpress's pipeline's answers (its chat template off: the suite's prompts are plain text)."""
     _kvpress_hooks_or_skip()
-    from kvpress import KVPressTextGenerationPipeline
-
-    from eval.press_baselines import PressLM, cache_positions, make_press, on_sdpa, press_ratio
     from eval.tasks.ruler import generate
     from oasis_hf import models
 
@@ -429,22 +397,44 @@ def test_query_agnostic_press_rows_answer_as_kvpress_pipeline_on_a_real_model():
     model, tok = models.load("smollm2-135m-instruct", device="cpu")
     tok.chat_template = None
     prompt = generate("niah_single", 2000, 1, tok)[0]["input"]
+    for spec in ("SnapKVPress", "AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))"):
+        for budget in (512, 1024):
+            ours, theirs = _agnostic_answers(model, tok, spec, prompt, budget, new=12)
+            assert theirs == ours, (spec, budget)
+
+
+def _tiny_llama(layers: int = 2, heads: int = 2, kv_heads: int = 1, head_dim: int = 128, init: float = 0.3):
+    """A random Llama over the char tokenizer's vocabulary. ``init`` 0.3 gives varied tokens (0.02 repeats one)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=256, num_hidden_layers=layers,
+                                        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                                        vocab_size=128, initializer_range=init)).eval()
+
+
+def _agnostic_answers(model, tok, spec: str, prompt: str, budget: int, new: int) -> tuple[str, str]:
+    """A query-agnostic press row's answer to `prompt` and that of kvpress's `KVPressTextGenerationPipeline` at the
+    same compression ratio: the context before the question line compressed, the question line as ``question``, the
+    cue as ``answer_prefix`` (the pipeline runs under `cache_positions`, the hook PressLM adds for kvpress 0.5.5 on
+    transformers 5.17; it puts the tokenizer's BOS before a context without a chat template)."""
+    from kvpress import KVPressTextGenerationPipeline
+
+    from eval.press_baselines import PressLM, cache_positions, make_press, on_sdpa, press_ratio
+
     question_at, cue_at = prompt.rindex("\nWhat") + 1, prompt.rindex("\nAnswer:")
     context, question = prompt[:question_at], prompt[question_at:cue_at]
     bos = tok.bos_token or ""
     ids = tok(bos + prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    lm = PressLM(pretrained=model, tokenizer=tok, budget=budget, device="cpu", batch_size=1, max_length=4096,
+                 press=spec, protocol="query-agnostic")
+    ours = lm._model_generate(ids, ids.shape[1] + new, [], do_sample=False)[0, ids.shape[1]:]
+    press = make_press(spec, model)
     head = len(tok(bos + context, add_special_tokens=False)["input_ids"])
+    press.compression_ratio = press_ratio(budget - (ids.shape[1] - head), head)
     pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tok, device="cpu")
-    for spec in ("SnapKVPress", "AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))"):
-        for budget in (512, 1024):
-            lm = PressLM(pretrained=model, tokenizer=tok, budget=budget, device="cpu", batch_size=1, max_length=4096,
-                         press=spec, protocol="query-agnostic")
-            ours = lm._model_generate(ids, ids.shape[1] + 12, [], do_sample=False)[0, ids.shape[1]:]
-            press = make_press(spec, model)
-            press.compression_ratio = press_ratio(budget - (ids.shape[1] - head), head)
-            with on_sdpa(model), cache_positions(model):
-                theirs = pipe(context, question=question, answer_prefix="Answer:", press=press, max_new_tokens=12)
-            assert theirs["answer"] == tok.decode(ours, skip_special_tokens=True), (spec, budget)
+    with on_sdpa(model), cache_positions(model):
+        theirs = pipe(context, question=question, answer_prefix="Answer:", press=press, max_new_tokens=new)
+    return tok.decode(ours, skip_special_tokens=True), theirs["answer"]
 
 
 def _kvpress_hooks_or_skip():
