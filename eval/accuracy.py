@@ -9,7 +9,8 @@ methods see the same prompts under the same harness. Writes, after every task, a
 per method and budget over the lengths measured, then every (length, method, budget) row per task, 0-100) and JSON;
 at the end a PNG (average against the budget per method). A row's average appears once all its tasks are in; rows
 still missing tasks are listed per task and left out of the summary. ``--resume`` keeps the task scores already
-written at ``--out`` and runs the others (a time limit loses at most the task in flight), so a
+written at ``--out`` and runs the others (a time limit loses at most the tasks in flight; with ``--time-budget`` a
+task starts only if its row's earlier tasks say it ends in time), so a
 preset larger than one GPU session (``gpu-qwen-1.5b``: 22 method-budget pairs x 3 lengths x 9 tasks x 50 samples,
 about 30,000 requests) is completed over several sessions, and ``--lengths/--budgets/--methods`` pick a part of it.
 On CUDA the OasisKV rows decode through whole-model CUDA graphs (`oasis_hf.decode_generate`, or
@@ -163,6 +164,11 @@ def main() -> None:
     parser.add_argument("--parts", type=int, default=None,
                         help="run as this many worker processes (round-robin over the GPUs), then merge")
     parser.add_argument("--part", type=int, default=None, help=argparse.SUPPRESS)  # a worker of --parts
+    parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                        help="wall seconds this run may take: a task is started only if it is expected to end within "
+                             "them (its row's task times at this length, measured in this run or recorded in --out), "
+                             "so a run under a hard time limit (`timeout`) loses no task in flight to it")
+    parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)  # epoch seconds, --parts sets
     parser.add_argument("--merge", action="store_true",
                         help="only merge the worker files a stopped --parts run left next to --out into --out "
                              "(report and plot included); runs nothing (a --parts run also does this first)")
@@ -182,6 +188,10 @@ def main() -> None:
                              "memory columns changed); runs nothing")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.time_budget is not None and args.time_budget <= 0:
+        parser.error(f"--time-budget {args.time_budget}: give a positive number of seconds")
+    if args.deadline is None and args.time_budget is not None:
+        args.deadline = time.time() + args.time_budget  # the workers of --parts inherit it (worker_argv)
     if args.merge_from or args.relabel or args.report:
         if args.out is None:
             parser.error("--merge-from/--relabel/--report need --out")
@@ -218,6 +228,7 @@ def main() -> None:
     suite = cached_suite(tokenizer, preset["model"], preset["lengths"], preset["samples"])
     manager = TaskManager(include_path=[str(folder) for folder in suite])
     failed: list[str] = []  # tasks that raised: recorded in their rows, reported at the end
+    taken: dict[tuple[str, int], list[float]] = {}  # (label, length) -> seconds of the tasks this run finished
     # One harness call per (length, method, budget, task): each finished task is written at once, so a time
     # limit loses at most the task in flight, and a row's average appears when all its tasks are in.
     for length in preset["lengths"]:
@@ -241,6 +252,12 @@ def main() -> None:
                         continue
                     lm = None
                     for task in todo:
+                        expected = expected_seconds(taken, previous, label, length)
+                        if args.deadline is not None and time.time() + expected > args.deadline:
+                            logger.info("%s @%s, %d tokens, %s: not started (expected %.0f s, %.0f s left of "
+                                        "--time-budget)", method, budget, length, task, expected,
+                                        args.deadline - time.time())
+                            continue
                         if args.part is not None and not claim(args.out, (*key, task)):
                             continue  # another worker has it
                         name = f"oasis_ruler_{task}_{length}"
@@ -267,6 +284,7 @@ def main() -> None:
                             report(args, preset, model, rows, lm_eval.__version__, final=False)
                             continue
                         seconds = time.perf_counter() - started
+                        taken.setdefault((label, length), []).append(seconds)
                         row = _row(rows, key, previous)
                         row[task] = out["results"][name]["score,none"]
                         row.setdefault("seconds", {})[task] = round(seconds, 1)
@@ -280,6 +298,17 @@ def main() -> None:
     if failed:
         raise SystemExit(f"{len(failed)} task(s) raised (their errors are under 'errors' in {args.out}, their "
                          f"tracebacks above; --resume runs them again): {failed}")
+
+
+def expected_seconds(taken: dict, previous: dict, label: str, length: int) -> float:
+    """How long a task of method `label` at `length` is expected to take: the longest one of its rows (any budget)
+    has taken in this run (`taken`: (label, length) -> seconds), else the median of those recorded in --out (an
+    earlier run, maybe on other hardware), else 0 (nothing known: it is started)."""
+    if taken.get((label, length)):
+        return max(taken[(label, length)])
+    recorded = sorted(s for (method, _, size), row in previous.items() if method == label and size == length
+                      for s in row.get("seconds", {}).values())
+    return recorded[len(recorded) // 2] if recorded else 0.0
 
 
 def _row(rows: list[dict], key: tuple, previous: dict) -> dict:
@@ -414,7 +443,9 @@ def run_parts(parser: argparse.ArgumentParser, args) -> None:
         env = dict(os.environ)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = worker_gpu(part, os.environ.get("CUDA_VISIBLE_DEVICES"), gpus)
-        cmd = [sys.executable, "-m", "eval.accuracy", *argv, "--part", str(part), "--resume"]
+        # One deadline for all workers (--time-budget counted from the parent's start), not a budget each.
+        deadline = [] if args.deadline is None else ["--deadline", repr(args.deadline)]
+        cmd = [sys.executable, "-m", "eval.accuracy", *argv, *deadline, "--part", str(part), "--resume"]
         workers.append(subprocess.Popen(cmd, env=env))
     # `timeout` signals its child and then the whole process group (the workers too): the first SIGTERM stops the
     # waiting below, later ones are ignored so that the merge runs to its end.
@@ -563,7 +594,7 @@ def _stop(signum, frame) -> None:
 
 def worker_argv(argv: list[str]) -> list[str]:
     """The parent's arguments without ``--parts N`` / ``--parts=N``: what each worker runs (plus ``--part K``)."""
-    return without_option(argv, "--parts")
+    return without_option(without_option(argv, "--parts"), "--time-budget")
 
 
 def _write_merged(args, preset: dict, payload: dict) -> None:

@@ -211,13 +211,16 @@ def test_accuracy_parts_merge_what_a_killed_run_left_before_starting_anew(tmp_pa
         return popen([sys.executable, "-c", "pass"])
 
     monkeypatch.setattr(subprocess, "Popen", worker)
-    monkeypatch.setattr(sys, "argv", ["eval.accuracy", "--preset", "gpu-qwen-1.5b", "--parts", "2", "--out", str(out)])
+    monkeypatch.setattr(sys, "argv", ["eval.accuracy", "--preset", "gpu-qwen-1.5b", "--parts", "2", "--out", str(out),
+                                      "--time-budget", "600"])
     accuracy.main()
     merged = json.loads(result_path(out, ".json").read_text())
     assert merged["rows"] == [_accuracy_rows(8192, {names[0]: 10.0, names[1]: 20.0, names[2]: 21.0,
                                                      "seconds": {names[1]: 3.0, names[2]: 3.0}}),
                               _accuracy_rows(16384, {names[0]: 60.0, names[1]: 61.0})]
     assert len(started) == 2 and all(cmd[-3:-1] == ["--part", str(k)] for k, cmd in enumerate(started))
+    deadlines = {float(cmd[cmd.index("--deadline") + 1]) for cmd in started}  # one, from the parent's start
+    assert len(deadlines) == 1 and not any("--time-budget" in cmd for cmd in started)
     # The leftovers were merged, then cleared for the new workers; the new workers' files are deleted once merged,
     # so the next run does not merge them again as leftovers (session 11 saw that: a duplicate `sources` entry).
     assert not list(tmp_path.glob("acc.part*")) and not list((tmp_path / "acc.claims").glob("*"))
@@ -325,19 +328,16 @@ def test_environment_records_the_code_identity_taken_when_the_run_started(monkey
     assert _common.environment()["source_sha256"] == first["source_sha256"] != "edited-later"
 
 
-def test_accuracy_records_a_task_that_raises_and_runs_the_rest(tmp_path, monkeypatch):
-    """A task whose harness call raises (kvpress's fake-key search failing, an out-of-memory) is recorded under the
-    row's 'errors' and listed under the table, the worker's other tasks still run, and the run exits non-zero
-    saying which; --resume runs the task again, and its score replaces the error."""
+def _fake_press_harness(monkeypatch, evaluate) -> None:
+    """eval.accuracy's main loop with no model, suite or lm-eval run: the press rows' harness calls go to `evaluate`
+    (lm-eval's ``simple_evaluate`` signature)."""
     import contextlib
-    import sys
 
     import lm_eval
     import lm_eval.tasks
     import torch
 
     from eval import accuracy, press_baselines
-    from eval.plot import result_path
 
     class FakeLM:
         def __init__(self, **kwargs):
@@ -349,6 +349,18 @@ def test_accuracy_records_a_task_that_raises_and_runs_the_rest(tmp_path, monkeyp
     monkeypatch.setattr(press_baselines, "PressLM", FakeLM)
     monkeypatch.setattr(accuracy, "kv_shape", lambda model: {})
     monkeypatch.setattr(accuracy, "yarn_context", lambda model, tokens: contextlib.nullcontext())
+    monkeypatch.setattr(lm_eval, "simple_evaluate", evaluate)
+
+
+def test_accuracy_records_a_task_that_raises_and_runs_the_rest(tmp_path, monkeypatch):
+    """A task whose harness call raises (kvpress's fake-key search failing, an out-of-memory) is recorded under the
+    row's 'errors' and listed under the table, the worker's other tasks still run, and the run exits non-zero
+    saying which; --resume runs the task again, and its score replaces the error."""
+    import sys
+
+    from eval import accuracy
+    from eval.plot import result_path
+
     broken = {"oasis_ruler_vt_8192"}
 
     def evaluate(model, tasks, task_manager, **kwargs):
@@ -356,7 +368,7 @@ def test_accuracy_records_a_task_that_raises_and_runs_the_rest(tmp_path, monkeyp
             raise ValueError("Could not find fake keys such that for every query q, exp(<q, k>) = 0")
         return {"results": {tasks[0]: {"score,none": 50.0}}}
 
-    monkeypatch.setattr(lm_eval, "simple_evaluate", evaluate)
+    _fake_press_harness(monkeypatch, evaluate)
     out = tmp_path / "acc"
     argv = ["eval.accuracy", "--preset", "gpu-qwen-1.5b", "--device", "cpu", "--lengths", "8192", "--budgets", "512",
             "--tasks", "niah_single", "vt", "qa", "--out", str(out), "--methods", "kvpress SnapKV (query-agnostic)"]
@@ -742,3 +754,38 @@ def test_floor_bench_replays_one_task_delta_rate_from_the_committed_result():
     assert delta_rate(path)[0] > recall_list  # the qa rows move more
     with pytest.raises(SystemExit, match="no rows of task"):
         delta_rate(path, "no-such-task")
+
+
+def test_accuracy_time_budget_starts_only_tasks_expected_to_end_in_it(tmp_path, monkeypatch):
+    """--time-budget: a task starts only if its row's task times so far say it ends within the budget (a hard
+    `timeout` after it then kills no task in flight); a row with no time known yet starts; what was not started
+    stays missing (no error, exit 0) for --resume. The workers of --parts get one deadline, not the budget."""
+    import sys
+    import types
+
+    from eval import accuracy
+    from eval.plot import result_path
+
+    clock = [1000.0]
+    monkeypatch.setattr(accuracy, "time", types.SimpleNamespace(time=lambda: clock[0], perf_counter=lambda: clock[0]))
+
+    def evaluate(model, tasks, task_manager, **kwargs):
+        clock[0] += 40.0  # every task takes 40 s
+        return {"results": {tasks[0]: {"score,none": 50.0}}}
+
+    _fake_press_harness(monkeypatch, evaluate)
+    out = tmp_path / "acc"
+    monkeypatch.setattr(sys, "argv", [
+        "eval.accuracy", "--preset", "gpu-qwen-1.5b", "--device", "cpu", "--lengths", "8192", "--budgets", "512",
+        "--tasks", "niah_single", "vt", "qa", "--out", str(out), "--methods", "kvpress SnapKV (query-agnostic)",
+        "--time-budget", "100"])
+    accuracy.main()  # 0 s: starts (nothing known); 40 s: 40 more fit in 100; 80 s: they do not
+    (row,) = json.loads(result_path(out, ".json").read_text())["rows"]
+    assert (row["niah_single"], row["vt"]) == (50.0, 50.0) and "qa" not in row and "errors" not in row
+    # Recorded times (another run, maybe other hardware) count by their median until this run measures its own.
+    previous = {("m", 512, 8192): {"seconds": {"a": 10.0, "b": 30.0, "c": 500.0}},
+                ("m", 2048, 16384): {"seconds": {"a": 99.0}}}
+    assert accuracy.expected_seconds({}, previous, "m", 8192) == 30.0
+    assert accuracy.expected_seconds({("m", 8192): [5.0, 7.0]}, previous, "m", 8192) == 7.0
+    assert accuracy.expected_seconds({}, previous, "other", 8192) == 0.0
+    assert accuracy.worker_argv(["--out", "x", "--time-budget", "100", "--parts", "2"]) == ["--out", "x"]
