@@ -283,6 +283,9 @@ def main() -> None:
                             row.setdefault("errors", {})[task] = f"{type(exc).__name__}: {exc}"[:300]
                             report(args, preset, model, rows, lm_eval.__version__, final=False)
                             continue
+                        finally:  # --parts workers share a GPU: what a task's batches reserved goes back to the others
+                            if device.startswith("cuda") and args.part is not None:
+                                torch.cuda.empty_cache()
                         seconds = time.perf_counter() - started
                         taken.setdefault((label, length), []).append(seconds)
                         row = _row(rows, key, previous)
