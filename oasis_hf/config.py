@@ -79,6 +79,13 @@ class OasisConfig:
         Cap on selector-driven block fetches per (sequence, KV head, layer) and step; the best-scoring misses go
         first and the least important resident blocks are evicted. Blocks that must be resident (sinks, recent
         window, new tokens) are never capped. ``None`` means no cap. Default 16.
+    sync_fetch_blocks : int
+        Asynchronous selectors (``lookahead``, ``previous-query``) only: a correction inside each step. Before the
+        step's attention, its own queries score every block (as ``current-query`` does, without the selection
+        memory) and up to this many of the best-scoring blocks that are not resident are fetched synchronously,
+        evicting the residents those queries rate lowest; the background job still moves the rest of the delta.
+        It fetches nothing when the prefetched blocks already hold the step's top blocks, so its transfer cost
+        follows the misses (FreeKV corrects its speculative selection in the same spirit). ``0`` (default): off.
     fetch_programs : int | None
         GPU programs (thread blocks) the gather kernel of a *background* selection job may use; each loops over its
         share of the delta. A program reading host memory holds its SM while it waits on PCIe, so an uncapped
@@ -195,6 +202,7 @@ class OasisConfig:
     selector: str = "current-query"
     summary: str = "mean"
     max_fetch_blocks: int | None = 16
+    sync_fetch_blocks: int = 0
     fetch_programs: int | None = 16
     kernel_backend: str = "auto"
     host_capacity_tokens: int | None = None
@@ -261,6 +269,12 @@ class OasisConfig:
             or self.max_fetch_blocks < 1
         ):
             raise bad("max_fetch_blocks", self.max_fetch_blocks, "use a positive int, or None for no cap")
+        if not _is_int(self.sync_fetch_blocks) or self.sync_fetch_blocks < 0:
+            raise bad("sync_fetch_blocks", self.sync_fetch_blocks, "use a non-negative int (0: off)")
+        if self.sync_fetch_blocks and not SELECTORS[self.selector].asynchronous:
+            raise bad("sync_fetch_blocks", self.sync_fetch_blocks,
+                      f"it corrects an asynchronous selector (lookahead, previous-query) inside the step; "
+                      f"{self.selector!r} selects inside the step already (its cap is max_fetch_blocks): set 0")
         if self.fetch_programs is not None and (
             not isinstance(self.fetch_programs, int) or isinstance(self.fetch_programs, bool)
             or self.fetch_programs < 1

@@ -41,6 +41,9 @@ BAD = [
     ("compile_mode", "reduce-overhead", "CUDA graphs of their own"),
     ("compile_mode", "max-autotune", "CUDA graphs of their own"),
     ("compile_mode", "max-autotune-no-cudagraphs", "set that too"),  # without compile_model=True
+    ("sync_fetch_blocks", -1, "non-negative int"),
+    ("sync_fetch_blocks", True, "non-negative int"),
+    ("sync_fetch_blocks", 2, "selects inside the step already"),  # the default selector is current-query
 ]
 
 

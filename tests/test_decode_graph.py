@@ -102,15 +102,16 @@ def test_whole_step_path_equals_ordinary_decoding(family, selector):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("selector", ["lookahead", "current-query"])
-def test_whole_step_path_with_layer_budgets_equals_ordinary_decoding(selector, device):
+@pytest.mark.parametrize(("selector", "sync"), [("lookahead", 0), ("current-query", 0), ("lookahead", 2)])
+def test_whole_step_path_with_layer_budgets_equals_ordinary_decoding(selector, sync, device):
     """Layers of different budgets (`layer_budget_tokens`: 8, 16 and 12 slots): the whole-step path, on CUDA
-    replayed graphs of differently sized pools, picks, fetches and attends as ordinary decoding does."""
+    replayed graphs of differently sized pools, picks, fetches and attends as ordinary decoding does (with
+    `sync_fetch_blocks`, the in-step correction of the background selection too)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = tiny_model("llama", layers=3, attn="oasis", device=device, dtype=dtype)
     ids, mask = left_padded([230, 200], seed=7)
     ids, mask = ids.to(device), mask.to(device)
-    fields = dict(SMALL, selector=selector, layer_budget_tokens={1: 256, 2: 192})
+    fields = dict(SMALL, selector=selector, layer_budget_tokens={1: 256, 2: 192}, sync_fetch_blocks=sync)
 
     def inspect(cache):
         assert [layer.pool_k.shape[2] for layer in cache.oasis_layers] == [8, 16, 12]

@@ -102,14 +102,20 @@ def _teacher_forced_logits(model, cache, ids, prompt):
     return torch.cat(out)
 
 
-def test_selection_matters_oracle_close_static_far():
-    """With a budget below the context, oracle selection (blocks covering >99% of the mass) stays close to dense
-    while StreamingLLM-style static selection at the same budget visibly differs."""
-    model = tiny_model("llama", attn="eager")
-    with torch.no_grad():  # sharpen attention so that a few blocks carry the mass, as in trained models
+def _sharp_llama(attn: str):
+    """A tiny Llama whose attention is sharpened so that a few blocks carry the mass, as in trained models."""
+    model = tiny_model("llama", attn=attn)
+    with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(30.0)
             layer.self_attn.k_proj.weight.mul_(30.0)
+    return model
+
+
+def test_selection_matters_oracle_close_static_far():
+    """With a budget below the context, oracle selection (blocks covering >99% of the mass) stays close to dense
+    while StreamingLLM-style static selection at the same budget visibly differs."""
+    model = _sharp_llama("eager")
     ids = torch.randint(1, VOCAB, (1, 420), generator=torch.Generator().manual_seed(3))
     prompt, bs, budget_blocks = 400, 16, 16  # 16 of 27 blocks
     # Premise, from exact attention: sinks + recent window + the top blocks by GQA-group mass hold > 99% of every
@@ -138,6 +144,34 @@ def test_selection_matters_oracle_close_static_far():
     assert err_oracle < 0.2 * err_static, f"oracle err {err_oracle:.3g} vs static err {err_static:.3g}"
     assert err_static > 0.05
     assert torch.equal(oracle.argmax(-1), dense.argmax(-1))
+
+
+@pytest.mark.parametrize("selector", ["lookahead", "previous-query"])
+def test_sync_fetch_corrects_an_asynchronous_selection_inside_the_step(selector):
+    """`sync_fetch_blocks`: each step's own queries top up what the background job prefetched. With a cap that
+    covers every slot the residents at attention are the step's own top blocks, so the logits are current-query's
+    (no selection memory on either); with a small cap the correction fetches at most that many blocks per
+    (sequence, KV head, layer) and step, and each larger cap moves the logits closer to current-query's."""
+    model = _sharp_llama("oasis")
+    ids = torch.randint(1, VOCAB, (1, 420), generator=torch.Generator().manual_seed(3))
+    prompt, common = 400, dict(budget_tokens=256, score_decay=0.0, prefetch=False)
+
+    def run(**kw):
+        cache = oasis_cache(model, **{**common, **kw})
+        logits = _teacher_forced_logits(model, cache, ids, prompt)
+        return logits, cache
+
+    current, _ = run(selector="current-query", max_fetch_blocks=None)
+    gaps = []
+    for cap in (0, 1, 4):
+        logits, cache = run(selector=selector, sync_fetch_blocks=cap)
+        gaps.append((logits - current).abs().mean().item())
+        for layer in cache.oasis_layers:
+            layer.table.check()
+    assert gaps[0] > 1e-2, "premise: the asynchronous selection differs from the step's own"
+    assert gaps[0] > gaps[1] > gaps[2], gaps
+    corrected, _ = run(selector=selector, sync_fetch_blocks=16)  # 16 slots: the whole budget
+    torch.testing.assert_close(corrected, current, atol=1e-5, rtol=1e-5)
 
 
 def test_beam_search_is_refused():

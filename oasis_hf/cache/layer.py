@@ -6,8 +6,9 @@ marked with a reference to this layer; the ``"oasis"`` attention function then c
 - **prefill** (the first forward on an empty cache, or a long chunk on a non-empty one): `oasis_hf.cache.prefill`;
 - **decode / verification** (``T`` new tokens on a non-empty cache): `OasisLayer.decode_step`, one `append_tokens`
   launch (new blocks get slots, evicting the least important unpinned block; the new tokens go into the pool; the
-  touched summaries are recomputed), then for a synchronous selector the scores (`scoring.block_scores`), the planned
-  delta (`scoring.plan`) and the fetch of the misses from host, and the sparse attention over the resident blocks.
+  touched summaries are recomputed), then for a synchronous selector (or, with `OasisConfig.sync_fetch_blocks`, as a
+  capped correction of an asynchronous one) the scores (`scoring.block_scores`), the planned delta (`scoring.plan`)
+  and the fetch of the misses from host, and the sparse attention over the resident blocks.
   On CUDA the step is a captured graph per ``T`` (`oasis_hf.cache.step_graphs`); an asynchronous selector's job
   (`oasis_hf.cache.selection_jobs`) runs score, plan and fetch after the step, for the next one;
 - **whole-step** (inside `oasis_hf.DecodeGraph`'s forward): the same device work reading the step's position from
@@ -361,8 +362,8 @@ class OasisLayer(CacheLayerMixin):
         Fixed shapes, no host synchronisation and no Python branch on data: every position-dependent quantity is
         derived from `start` on the device, so this function can be captured once in a CUDA graph and replayed at
         every later step of the same ``T``. On CUDA it is a handful of launches: the host write-back (forked),
-        `append_tokens`, for a synchronous selector `score_blocks` + `plan_blocks` + `gather_blocks`, and the sparse
-        attention with its split merge.
+        `append_tokens`, for a synchronous selector (or an asynchronous one with `OasisConfig.sync_fetch_blocks`)
+        `score_blocks` + `plan_blocks` + `gather_blocks`, and the sparse attention with its split merge.
         """
         cfg = self.config
         if write_back:
@@ -380,10 +381,13 @@ class OasisLayer(CacheLayerMixin):
             self.table.block_slot, self.summaries.data, self.kv_start, kind=self.summaries.kind,
             sink_blocks=cfg.sink_blocks, recent_blocks=cfg.recent_blocks,
         )  # fmt: skip
-        # Selection, delta, fetch (synchronous selectors; asynchronous ones did it after the previous step).
-        if not self.cache.selector.asynchronous:
-            scores = scoring.block_scores(self, query, scale, start)
-            blocks, slots, valid = scoring.plan(self, scores, cfg.max_fetch_blocks)
+        # Selection, delta, fetch (synchronous selectors; asynchronous ones did it after the previous step, and with
+        # `sync_fetch_blocks` correct it here with the step's own queries, a few blocks at most).
+        if not self.cache.selector.asynchronous or cfg.sync_fetch_blocks:
+            asynchronous = self.cache.selector.asynchronous
+            scores = scoring.block_scores(self, query, scale, start, memory=not asynchronous)
+            cap = cfg.sync_fetch_blocks if asynchronous else cfg.max_fetch_blocks
+            blocks, slots, valid = scoring.plan(self, scores, cap)
             self.cache.host.fetch(self.layer_idx, blocks, self.pool_k, self.pool_v, slots, valid, cfg.kernel_backend)
         if end is None:
             end = start + key.shape[2]
