@@ -88,12 +88,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
-    args.config = config_fields(parser, args.config, args.budgets)
+    chosen = [(selector, fields) for label, selector, fields in SELECTORS
+              if not args.methods or any(label.startswith(m) for m in args.methods)]
+    args.config = config_fields(parser, args.config, args.budgets, rows=chosen)
     variants = {"": {}}
     for name, *pairs in args.variant:
         if name in variants or "=" in name or not pairs:
             parser.error(f"--variant {name!r}: write a new NAME, then FIELD=VALUE pairs")
-        variants[name] = config_fields(parser, pairs, args.budgets, base=args.config)
+        variants[name] = config_fields(parser, pairs, args.budgets, base=args.config, rows=chosen)
     args.variant = {name: fields for name, fields in variants.items() if name}
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     loops = args.loops or ["greedy", "prompt-lookup"] + (["draft"] if args.draft else [])
@@ -119,9 +121,10 @@ def main() -> None:
 
 
 def config_fields(parser: argparse.ArgumentParser, pairs: list[str], budgets: list[int],
-                  base: dict | None = None) -> dict:
+                  base: dict | None = None, rows: list[tuple[str, dict]] | None = None) -> dict:
     """``--config FIELD=VALUE ...`` as OasisConfig keyword arguments (ints, floats, true/false, none and JSON parsed),
-    checked against `OasisConfig` at every budget (on top of `base`) before any model is loaded."""
+    checked against `OasisConfig` at every budget (on top of `base`) for each of the rows that will run (`rows`:
+    (selector, the row's own fields)) before any model is loaded."""
     names = {f.name for f in dataclasses.fields(oasis_hf.OasisConfig)}
     fields = {}
     for pair in pairs:
@@ -131,10 +134,13 @@ def config_fields(parser: argparse.ArgumentParser, pairs: list[str], budgets: li
                          f"selector and measure_recall (the rows set those); fields: {sorted(names)}")
         fields[name] = _value(text)
     for budget in budgets:
-        try:
-            oasis_hf.OasisConfig(budget_tokens=budget, **(base or {}) | fields)
-        except (TypeError, ValueError) as error:
-            parser.error(f"--config at budget {budget}: {error}")
+        for selector, own in rows or [("current-query", {})]:
+            try:
+                # As `run_row` merges them: a row's own fields win over --config, a variant's over both.
+                merged = fields | own if base is None else base | own | fields
+                oasis_hf.OasisConfig(budget_tokens=budget, selector=selector, **merged)
+            except (TypeError, ValueError) as error:
+                parser.error(f"--config at budget {budget} for the {selector} rows: {error}")
     return fields
 
 

@@ -574,6 +574,23 @@ def test_recall_bench_on_suite_task_prompts(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", [*base, "--variant", "v"])  # a name without fields
     with pytest.raises(SystemExit):
         recall.main()
+    # A field valid for some selectors only is checked against the rows that run: the in-step correction of an
+    # asynchronous selection passes for the lookahead rows and stops a run of current-query rows.
+    class Loaded(Exception):
+        pass
+
+    def load(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr(recall.models, "load", load)
+    monkeypatch.setattr(sys, "argv", [*base, "--variant", "sync", "sync_fetch_blocks=2"])
+    with pytest.raises(Loaded):
+        recall.main()
+    methods = base.index("--methods") + 1
+    monkeypatch.setattr(sys, "argv", [*base[:methods], "current-query", *base[methods + 1:], "--variant", "sync",
+                                      "sync_fetch_blocks=2"])
+    with pytest.raises(SystemExit):
+        recall.main()
 
 
 def test_every_accuracy_method_is_a_valid_configuration_at_every_preset_budget():
