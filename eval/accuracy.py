@@ -121,6 +121,10 @@ METHODS = {
     "lookahead (draft model, block 32, window 32, decay 0.9)": dict(
         selector="lookahead", draft=True, **BLOCK_32 | dict(prefill_window_tokens=32, score_decay=0.9)),
     "current-query (block 32)": dict(selector="current-query", **BLOCK_32),
+    # Lookahead's background choice corrected inside each step by the step's own queries, at most N blocks fetched
+    # synchronously (`OasisConfig.sync_fetch_blocks`): how much of current-query's lead @512 a few blocks buy.
+    "lookahead (draft model, sync fetch 2)": dict(selector="lookahead", draft=True, sync_fetch_blocks=2, **SELECTION),
+    "lookahead (draft model, sync fetch 8)": dict(selector="lookahead", draft=True, sync_fetch_blocks=8, **SELECTION),
 }
 #: Label suffix of the rows run with the model's chat template (``--chat-template``).
 CHAT_SUFFIX = " [chat template]"

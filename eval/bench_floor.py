@@ -255,9 +255,12 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
             fields["max_fetch_blocks"] = max(1, math.ceil(rate))
         # Static selection moves nothing: one row at the library's cap; the others get one row per --fetch-programs.
         caps = [{}] if method == "oasis-static" else fetch_program_variants(args)
-        for (compiled, mode), cap in [(v, c) for v in compile_variants(args) for c in caps]:
-            configs.append((method, oasis_hf.OasisConfig(**fields, **cap, compile_model=compiled, compile_mode=mode),
-                            len(caps) > 1))
+        # The lookahead rows also run with each --sync-fetch-blocks correction (on random KV the step's own queries
+        # disagree with the job's at every step: each correction fetches its full cap, the cost's upper bound).
+        syncs = [0, *args.sync_fetch_blocks] if selector == "lookahead" else [0]
+        for (compiled, mode), cap, sync in [(v, c, n) for v in compile_variants(args) for c in caps for n in syncs]:
+            configs.append((method, oasis_hf.OasisConfig(**fields, **cap, compile_model=compiled, compile_mode=mode,
+                                                         sync_fetch_blocks=sync), len(caps) > 1))
     for method, cfg, labelled in configs:
         kind = "oasis-lookahead" if method == "oasis-lookahead-real" else method
         profile = (args.profile_here and point in args.profile_points and torch.cuda.is_available()
@@ -270,6 +273,8 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
             row["method"] += f", real-model delta rate ({cfg.max_fetch_blocks} blocks per (seq, head, layer-step))"
             row["note"] = (f"max_fetch_blocks={cfg.max_fetch_blocks}: Qwen2.5-Coder-1.5B's lookahead moved {rate:.2f} "
                            f"blocks per (seq, head, layer-step) at 16k in plain decoding{rate_note}")
+        if cfg.sync_fetch_blocks:
+            row["method"] += f", sync_fetch_blocks={cfg.sync_fetch_blocks}"
     rows += floor_rows(model, args.budget, batch, context, bandwidth)
     annotate(rows)
     return rows
@@ -421,6 +426,9 @@ def main() -> None:
                         help="OasisConfig.fetch_programs of the fetching OasisKV rows (numbers, or 'none' for no cap): "
                              "one row per value, in the same process, labelled with it when there are several; "
                              "default: the library's")
+    parser.add_argument("--sync-fetch-blocks", nargs="+", type=int, default=[],
+                        help="also run the lookahead rows with each of these OasisConfig.sync_fetch_blocks (the "
+                             "in-step correction of the background selection), one row each")
     parser.add_argument("--delta-rate", type=Path, default=None,
                         help="eval.delta_rate JSON: the highest of its plain-decoding rows' blocks per (seq, head, "
                              "forward), rounded up, becomes the cap of the oasis-lookahead-real row")

@@ -460,7 +460,8 @@ def test_accuracy_loads_the_draft_only_for_a_row_that_runs_with_it(tmp_path, mon
 def test_floor_bench_runs_every_kind_of_row_in_one_process(tmp_path, monkeypatch):
     """Plumbing only, on the CPU (nothing captured, no timing asserted): each point gets its dense rows (the graphed
     one checked against eager dense attention), its OasisKV rows through DecodeGraph and its floor rows, with the
-    fields the acceptance checks read, and the real-model delta rate replayed as the lookahead cap."""
+    fields the acceptance checks read, the real-model delta rate replayed as the lookahead cap, and the lookahead
+    rows again with --sync-fetch-blocks."""
     import sys
 
     from eval import bench_floor
@@ -473,9 +474,14 @@ def test_floor_bench_runs_every_kind_of_row_in_one_process(tmp_path, monkeypatch
     out = tmp_path / "floor"
     monkeypatch.setattr(sys, "argv", ["bench_floor", "--device", "cpu", "--shape", "tiny", "--points", "2x600",
                                       "--budget", "256", "--warmup", "1", "--repeats", "2", "--dense-kernels", "sdpa",
-                                      "--delta-rate", str(rate), "--compile-model", "off", "--out", str(out)])
+                                      "--delta-rate", str(rate), "--compile-model", "off", "--sync-fetch-blocks", "2",
+                                      "--out", str(out)])
     bench_floor.main()
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    # Each lookahead row again with the in-step correction, labelled; no other row gets it.
+    corrected = [r for r in rows if r["method"].endswith(", sync_fetch_blocks=2")]
+    assert sorted(r["kind"] for r in corrected) == ["oasis-lookahead", "oasis-lookahead"]
+    rows = [r for r in rows if r not in corrected]
     kinds = {r["kind"] for r in rows}
     assert kinds == {"dense-eager", "dense-graphed", "floor", "oasis-static", "oasis-lookahead", "oasis-current-query"}
     for row in rows:
