@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import datetime
 import functools
 import hashlib
@@ -231,3 +233,47 @@ def _write_atomic(path: Path, text: str) -> None:
 
 if __name__ == "__main__":
     print(source_hash())
+
+
+def config_fields(parser: argparse.ArgumentParser, pairs: list[str], budgets: list[int],
+                  base: dict | None = None, rows: list[tuple[str, dict]] | None = None,
+                  reserved: tuple[str, ...] = ("budget_tokens", "selector", "measure_recall")) -> dict:
+    """``--config FIELD=VALUE ...`` as OasisConfig keyword arguments (ints, floats, true/false, none and JSON parsed),
+    checked against `OasisConfig` at every budget (on top of `base`) for each of the rows that will run (`rows`:
+    (selector, the row's own fields)) before any model is loaded. `reserved` fields are the script's to set (its
+    rows or other flags): naming one is an error."""
+    import oasis_hf
+
+    names = {f.name for f in dataclasses.fields(oasis_hf.OasisConfig)}
+    fields = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or name not in names or name in reserved:
+            parser.error(f"--config {pair!r}: write FIELD=VALUE with an OasisConfig field other than "
+                         f"{', '.join(reserved)} (this script sets those); fields: {sorted(names - set(reserved))}")
+        fields[name] = _value(text)
+    for budget in budgets:
+        for selector, own in rows or [("current-query", {})]:
+            try:
+                # As `run_row` merges them: a row's own fields win over --config, a variant's over both.
+                merged = fields | own if base is None else base | own | fields
+                oasis_hf.OasisConfig(budget_tokens=budget, selector=selector, **merged)
+            except (TypeError, ValueError) as error:
+                parser.error(f"--config at budget {budget} for the {selector} rows: {error}")
+    return fields
+
+
+def _value(text: str):
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    if text[:1] in "{[":  # a mapping or list, e.g. layer_budget_tokens={"0": 640}
+        return json.loads(text)
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text

@@ -30,6 +30,10 @@ ratio against static compares like with like; ``compile + capture s`` is the tim
 same process, each row labelled with its cap. ``python -m eval.bench_floor --compare BEFORE.json AFTER.json OUT.md``
 sets two runs' profiles side by side.
 
+``--config FIELD=VALUE ...`` sets `OasisConfig` fields of every OasisKV row (e.g. the accuracy suite's selection
+setting: ``block_size=16 sink_tokens=16 recent_tokens=64 summary=mean+minmax``); the rows' labels carry them and the
+sparse floor reads the summaries they keep.
+
 ``--isolate`` runs every method of every point in a process of its own (this script, the same arguments, that point
 and method alone), so that no row is timed after another in its process; the parent computes the floor rows (its
 model on the meta device) and the ratios. Every timed row records the ``pid`` of its process either way.
@@ -61,6 +65,7 @@ from eval._common import (
     PROFILE_CHILD_FLAG,
     child_rows,
     code_identity,
+    config_fields,
     environment,
     markdown_table,
     median,
@@ -87,9 +92,13 @@ from eval.dense_baselines import (
 from eval.plot import plot_floor
 from oasis_hf.cache.pinned import PinnedPool
 from oasis_hf.config import blocks_for
+from oasis_hf.kernels.ref import SUMMARY_LAYOUT
 
 logger = logging.getLogger("eval.bench_floor")
 
+#: OasisConfig fields ``--config`` may not set: the rows, the point and the other flags set them.
+RESERVED = ("budget_tokens", "selector", "host_capacity_tokens", "max_fetch_blocks", "sync_fetch_blocks",
+            "fetch_programs", "compile_model", "compile_mode", "measure_recall")
 #: The flag of an ``--isolate`` run's children (`isolated_point`); hidden from --help.
 ISOLATED_FLAG = "--isolated-child"
 
@@ -183,6 +192,7 @@ def oasis_row(model, kind: str, cfg: oasis_hf.OasisConfig, pool: PinnedPool, bat
                "fetched blocks/(seq, head, layer-step)": fetched / pairs,
                "PCIe GB/s": moved / (median(times) / 1e3) / 1e9 if fetched else 0.0,
                "fetch_programs": cfg.fetch_programs, "max_fetch_blocks": cfg.max_fetch_blocks,
+               "block_size": cfg.block_size, "summary": cfg.summary,
                "prefetch late jobs": stats["prefetch_late"], "KV fill s": fill_s,
                "raw_ms": times}
         if profile:
@@ -248,7 +258,7 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
         if not method.startswith("oasis-"):
             continue
         selector = {"oasis-lookahead-real": "lookahead"}.get(method, method.removeprefix("oasis-"))
-        fields = dict(budget_tokens=args.budget, selector=selector, host_capacity_tokens=host_capacity)
+        fields = dict(budget_tokens=args.budget, selector=selector, host_capacity_tokens=host_capacity) | args.config
         if method == "oasis-lookahead-real":
             if rate is None:
                 continue
@@ -275,19 +285,31 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
                            f"blocks per (seq, head, layer-step) at 16k in plain decoding{rate_note}")
         if cfg.sync_fetch_blocks:
             row["method"] += f", sync_fetch_blocks={cfg.sync_fetch_blocks}"
-    rows += floor_rows(model, args.budget, batch, context, bandwidth)
+        if args.config:
+            row["method"] += ", " + config_label(args.config)
+    rows += floor_rows(model, args.budget, batch, context, bandwidth, args.config)
     annotate(rows)
     return rows
 
 
-def floor_rows(model, budget: int, batch: int, context: int, bandwidth: float) -> list[dict]:
+def config_label(fields: dict) -> str:
+    """``--config`` fields as a row label: ``block_size=16 summary=mean+minmax``."""
+    return " ".join(f"{name}={value}" for name, value in fields.items())
+
+
+def floor_rows(model, budget: int, batch: int, context: int, bandwidth: float,
+               fields: dict | None = None) -> list[dict]:
     """The floor: weights + the K/V each method attends over (+ one read of the summaries for scoring selectors) at
-    `bandwidth`. `model` may live on the meta device: only its parameter sizes and config are read."""
-    # One mean key per block, layer and KV head: per block the bytes of one token's keys.
-    summary_bytes = batch * blocks_for(context, oasis_hf.OasisConfig().block_size) * kv_bytes_per_token(model) // 2
+    `bandwidth`, the summaries those of `OasisConfig(**fields)`. `model` may live on the meta device: only its
+    parameter sizes and config are read."""
+    config = oasis_hf.OasisConfig(budget_tokens=budget, **(fields or {}))
+    # Per block, layer and KV head, each summary vector (mean key, lower and upper bound) takes one token's key bytes.
+    vectors = len(SUMMARY_LAYOUT[config.summary])
+    summary_bytes = batch * blocks_for(context, config.block_size) * vectors * kv_bytes_per_token(model) // 2
     return [{"method": "floor, dense", "kind": "floor", "batch": batch, "context": context,
              "ms/step (median)": floor_ms(model, batch, context + 1, bandwidth)},
-            {"method": f"floor, sparse @{budget} (+ mean-key summaries read once)", "kind": "floor", "batch": batch,
+            {"method": f"floor, sparse @{budget} (+ {config.summary} summaries of blocks of {config.block_size} "
+                       "read once)", "kind": "floor", "batch": batch,
              "context": context, "ms/step (median)": floor_ms(model, batch, budget, bandwidth, summary_bytes)}]
 
 
@@ -300,7 +322,7 @@ def isolated_point(model, args, batch: int, context: int, bandwidth: float) -> l
             child = child_rows("eval.bench_floor", sys.argv[1:], Path(tmp),
                                ["--points", f"{batch}x{context}", "--methods", method, ISOLATED_FLAG])
         rows += [row for row in child if row.get("kind") != "floor"]
-    rows += floor_rows(model, args.budget, batch, context, bandwidth)
+    rows += floor_rows(model, args.budget, batch, context, bandwidth, args.config)
     annotate(rows)
     return rows
 
@@ -335,7 +357,8 @@ def report(args, shape: dict, bandwidth: float, rows: list[dict], final: bool = 
               f"{env['triton']}; random-weight {args.shape} shape ({shape['num_hidden_layers']} layers, "
               f"{shape['num_key_value_heads']} KV heads), {precision}; KV filled with random values (no prefill "
               "forward); "
-              f"OasisKV budget {args.budget} tokens (blocks of 32, library defaults otherwise); device-to-device copy "
+              f"OasisKV budget {args.budget} tokens ({config_label(args.config) or 'library defaults'}); "
+              "device-to-device copy "
               f"bandwidth {bandwidth / 1e12:.2f} TB/s measured in this run; medians of {args.repeats} steps after "
               f"{args.warmup}; `{env['command']}`\n\n")
     table = header + markdown_table(rows, [c for c in COLUMNS if any(c in r for r in rows)])
@@ -429,6 +452,9 @@ def main() -> None:
     parser.add_argument("--sync-fetch-blocks", nargs="+", type=int, default=[],
                         help="also run the lookahead rows with each of these OasisConfig.sync_fetch_blocks (the "
                              "in-step correction of the background selection), one row each")
+    parser.add_argument("--config", nargs="+", default=[], metavar="FIELD=VALUE",
+                        help="OasisConfig fields of every OasisKV row, e.g. the accuracy suite's selection setting: "
+                             "block_size=16 sink_tokens=16 recent_tokens=64 summary=mean+minmax")
     parser.add_argument("--delta-rate", type=Path, default=None,
                         help="eval.delta_rate JSON: the highest of its plain-decoding rows' blocks per (seq, head, "
                              "forward), rounded up, becomes the cap of the oasis-lookahead-real row")
@@ -450,6 +476,10 @@ def main() -> None:
                         help="cpu: a smoke run of the plumbing (tiny shape; nothing captured, nothing to measure)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    selectors = [{"oasis-lookahead-real": "lookahead"}.get(m, m.removeprefix("oasis-")) for m in args.methods
+                 if m.startswith("oasis-")]
+    args.config = config_fields(parser, args.config, [args.budget], rows=[(s, {}) for s in selectors],
+                                reserved=RESERVED)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     oasis_hf.register()
     on_gpu = args.device.startswith("cuda")

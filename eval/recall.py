@@ -24,15 +24,13 @@ compared on a suite task's prompts on the CPU before it costs GPU time.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import logging
 from pathlib import Path
 
 import torch
 
 import oasis_hf
-from eval._common import code_identity, environment, markdown_table, write_results
+from eval._common import code_identity, config_fields, environment, markdown_table, write_results
 from eval.plot import plot_recall
 from eval.tasks import TASKS
 from eval.tasks.ruler import generate as task_samples
@@ -118,46 +116,6 @@ def main() -> None:
                                         fields | extra))
                     report(args, model, rows, final=False)  # a run cut short still leaves its finished rows
     report(args, model, rows, final=True)
-
-
-def config_fields(parser: argparse.ArgumentParser, pairs: list[str], budgets: list[int],
-                  base: dict | None = None, rows: list[tuple[str, dict]] | None = None) -> dict:
-    """``--config FIELD=VALUE ...`` as OasisConfig keyword arguments (ints, floats, true/false, none and JSON parsed),
-    checked against `OasisConfig` at every budget (on top of `base`) for each of the rows that will run (`rows`:
-    (selector, the row's own fields)) before any model is loaded."""
-    names = {f.name for f in dataclasses.fields(oasis_hf.OasisConfig)}
-    fields = {}
-    for pair in pairs:
-        name, sep, text = pair.partition("=")
-        if not sep or name not in names or name in ("budget_tokens", "selector", "measure_recall"):
-            parser.error(f"--config {pair!r}: write FIELD=VALUE with an OasisConfig field other than budget_tokens, "
-                         f"selector and measure_recall (the rows set those); fields: {sorted(names)}")
-        fields[name] = _value(text)
-    for budget in budgets:
-        for selector, own in rows or [("current-query", {})]:
-            try:
-                # As `run_row` merges them: a row's own fields win over --config, a variant's over both.
-                merged = fields | own if base is None else base | own | fields
-                oasis_hf.OasisConfig(budget_tokens=budget, selector=selector, **merged)
-            except (TypeError, ValueError) as error:
-                parser.error(f"--config at budget {budget} for the {selector} rows: {error}")
-    return fields
-
-
-def _value(text: str):
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered == "none":
-        return None
-    if text[:1] in "{[":  # a mapping or list, e.g. layer_budget_tokens={"0": 640}
-        return json.loads(text)
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
 
 
 def run_row(args, model, tokenizer, draft, budget: int, loop: str, label: str, selector: str, fields: dict) -> dict:

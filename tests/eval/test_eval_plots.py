@@ -546,6 +546,46 @@ def test_floor_bench_runs_one_row_per_fetch_program_cap(tmp_path, monkeypatch):
     assert all(r["step vs static"] > 0 for r in rows)
 
 
+def test_floor_bench_config_sets_every_oasis_row_and_its_floor(tmp_path, monkeypatch, capsys):
+    """Plumbing only, on the CPU: --config sets OasisConfig fields of every OasisKV row (labelled with them, recorded
+    in the row) and the sparse floor counts the summaries they keep; fields the benchmark sets itself are refused
+    with the reason, before any model is built."""
+    import sys
+
+    import torch
+
+    from eval import bench_floor
+    from eval._harness import SHAPES, build_model
+
+    out = tmp_path / "floor"
+    setting = ["block_size=16", "sink_tokens=16", "recent_tokens=64", "summary=mean+minmax"]
+    monkeypatch.setattr(sys, "argv", ["bench_floor", "--device", "cpu", "--shape", "tiny", "--points", "2x300",
+                                      "--budget", "256", "--warmup", "1", "--repeats", "2", "--compile-model", "off",
+                                      "--methods", "oasis-static", "oasis-lookahead", "--config", *setting,
+                                      "--out", str(out)])
+    bench_floor.main()
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    oasis = [r for r in rows if r["kind"].startswith("oasis")]
+    assert len(oasis) == 2
+    for row in oasis:
+        assert row["method"].endswith(", " + " ".join(setting)) and row["ms_per_step"] > 0
+        assert (row["block_size"], row["summary"]) == (16, "mean+minmax")
+    sparse = next(r for r in rows if r["method"].startswith("floor, sparse"))
+    assert "mean+minmax summaries of blocks of 16" in sparse["method"]
+    # Three summary vectors per 16 tokens read more than one per 32: the floor rises with them.
+    model = build_model(SHAPES["tiny"], "meta", torch.float32)
+    plain = bench_floor.floor_rows(model, 256, 2, 30000, 1e12)[1]["ms/step (median)"]
+    both = bench_floor.floor_rows(model, 256, 2, 30000, 1e12, {"block_size": 16, "sink_tokens": 16,
+                                                              "recent_tokens": 64, "summary": "mean+minmax"})
+    assert both[1]["ms/step (median)"] > plain
+    for bad, said in (["max_fetch_blocks=4"], "this script sets those"), (["block_size=24"], "power of two"):
+        monkeypatch.setattr(sys, "argv", ["bench_floor", "--device", "cpu", "--methods", "oasis-static",
+                                          "--config", *bad])
+        with pytest.raises(SystemExit):
+            bench_floor.main()
+        assert said in capsys.readouterr().err
+
+
 def test_floor_bench_isolate_times_every_method_in_a_process_of_its_own(tmp_path, monkeypatch):
     """Plumbing only, on the CPU: with --isolate each method runs in a child process (its rows carry the child's
     pid), and the parent adds the floor rows and the ratios across them."""

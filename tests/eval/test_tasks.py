@@ -597,8 +597,9 @@ def test_every_accuracy_method_is_a_valid_configuration_at_every_preset_budget()
     """eval.accuracy's rows name their settings; each must build (a typo in a field would fail here, not on the GPU),
     and the OasisKV rows of the GPU preset share one selection setting, so that they differ in the queries only."""
     pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra; `pip install -e .[dev]`")
-    from eval.accuracy import METHODS, PRESETS, SELECTION
+    from eval.accuracy import DEFAULT_ROW, METHODS, PRESETS, SELECTION
     from eval.press_baselines import PROTOCOLS
+    from oasis_hf import OasisConfig
     from oasis_hf.integrations.lm_eval import oasis_config
 
     lm_only = ("dense", "press", "protocol", "draft", "prompt_lookup", "batch_size")
@@ -610,8 +611,11 @@ def test_every_accuracy_method_is_a_valid_configuration_at_every_preset_budget()
         for budget in sorted({b for p in PRESETS.values() for b in p["budgets"]}):
             config = oasis_config(budget, **{k: v for k, v in fields.items() if k not in lm_only})
             assert config.budget_tokens == budget, method
+            if method == DEFAULT_ROW:  # the library's defaults, field for field
+                assert config == OasisConfig(budget_tokens=budget)
+    assert DEFAULT_ROW in PRESETS["gpu-qwen-1.5b"]["methods"]
     for method in PRESETS["gpu-qwen-1.5b"]["methods"]:
-        if "press" in METHODS[method]:
+        if "press" in METHODS[method] or method == DEFAULT_ROW:
             continue
         config = oasis_config(512, **{k: v for k, v in METHODS[method].items() if k not in lm_only})
         if config.selector != "static" and "dense" not in METHODS[method] and "press" not in METHODS[method]:
