@@ -24,6 +24,8 @@ shared list as they go (a (row, task)'s claim is a file created exclusively unde
 own ``<out>.partK`` files, then merges them into ``--out``: on an 8-GPU machine the 30,000 requests take about an
 eighth of the time. A task whose harness call raises (an out-of-memory, a press that cannot run) is recorded under
 its row's ``errors`` and listed under the table; the worker goes on with its other tasks and exits non-zero at the end.
+A task that ran out of GPU memory (workers sharing a GPU whose peaks met) is tried once more after the worker's
+other tasks, and counts as failed only if that fails too.
 A worker that dies leaves its claimed task undone. ``--resume`` runs both kinds again.
 
 Lengths beyond the model's trained window (``--lengths 65536`` on Qwen2.5's 32k) run with YaRN rope scaling, as the
@@ -239,73 +241,89 @@ def main() -> None:
     taken: dict[tuple[str, int], list[float]] = {}  # (label, length) -> seconds of the tasks this run finished
     # One harness call per (length, method, budget, task): each finished task is written at once, so a time
     # limit loses at most the task in flight, and a row's average appears when all its tasks are in.
-    for length in preset["lengths"]:
-        # Beyond the model's trained window (64k for Qwen2.5's 32k), YaRN as its model card describes: target and
-        # draft alike, for this length's rows only.
-        need = length + max(TASKS[t][1] for t in TASKS) + 64
-        with contextlib.ExitStack() as stretched:
-            stretched.enter_context(yarn_context(model, need))
-            if draft is not None:
-                stretched.enter_context(yarn_context(draft, need))
-            for method in preset["methods"]:
-                fields = dict(METHODS[method])
-                needs_draft = fields.pop("draft", False)
-                batch_size = fields.pop("batch_size", preset["batch_size"])
-                for budget in ([None] if fields.get("dense") else preset["budgets"]):
-                    label = method + CHAT_SUFFIX if args.chat_template else method
-                    key = (label, budget or "full", length)
-                    todo = [t for t in args.tasks or TASKS if t not in previous.get(key, {})]
-                    if not todo:
-                        logger.info("%s @%s, %d tokens: in %s already", method, budget, length, args.out)
-                        continue
-                    lm = None
-                    for task in todo:
-                        expected = expected_seconds(taken, previous, label, length)
-                        if args.deadline is not None and time.time() + expected > args.deadline:
-                            logger.info("%s @%s, %d tokens, %s: not started (expected %.0f s, %.0f s left of "
-                                        "--time-budget)", method, budget, length, task, expected,
-                                        args.deadline - time.time())
+    # A task that runs out of GPU memory (--parts workers share one GPU, and their peaks can meet) is tried once more
+    # after this worker's other tasks, when the others may have finished: the second pass runs only those.
+    retry: set[tuple] = set()  # (label, budget, length, task)
+    for second_pass in (False, True):
+        if second_pass and not retry:
+            break
+        if second_pass:
+            logger.info("%d task(s) ran out of GPU memory: trying them once more", len(retry))
+        for length in preset["lengths"]:
+            # Beyond the model's trained window (64k for Qwen2.5's 32k), YaRN as its model card describes: target and
+            # draft alike, for this length's rows only.
+            need = length + max(TASKS[t][1] for t in TASKS) + 64
+            with contextlib.ExitStack() as stretched:
+                stretched.enter_context(yarn_context(model, need))
+                if draft is not None:
+                    stretched.enter_context(yarn_context(draft, need))
+                for method in preset["methods"]:
+                    fields = dict(METHODS[method])
+                    needs_draft = fields.pop("draft", False)
+                    batch_size = fields.pop("batch_size", preset["batch_size"])
+                    for budget in ([None] if fields.get("dense") else preset["budgets"]):
+                        label = method + CHAT_SUFFIX if args.chat_template else method
+                        key = (label, budget or "full", length)
+                        todo = [t for t in args.tasks or TASKS if t not in previous.get(key, {})
+                                and (not second_pass or (*key, t) in retry)]
+                        if not todo:
+                            if not second_pass:
+                                logger.info("%s @%s, %d tokens: in %s already", method, budget, length, args.out)
                             continue
-                        if args.part is not None and not claim(args.out, (*key, task)):
-                            continue  # another worker has it
-                        name = f"oasis_ruler_{task}_{length}"
-                        started = time.perf_counter()
-                        try:
-                            if lm is None:
-                                if needs_draft:
-                                    if draft is None:
-                                        draft = models.load(preset["draft"], device=device)[0]
-                                        preset["shapes"]["draft"] = kv_shape(draft)
-                                        stretched.enter_context(yarn_context(draft, need))
-                                    fields["draft_model"] = draft
-                                lm_class = PressLM if "press" in fields else OasisLM
-                                lm = lm_class(pretrained=model, tokenizer=tokenizer, budget=budget or 2048,
-                                              device=device, batch_size=batch_size,
-                                              graphs=preset["whole_step_graphs"], **fields)
-                            out = lm_eval.simple_evaluate(model=lm, tasks=[name], task_manager=manager,
-                                                          apply_chat_template=args.chat_template)
-                        except Exception as exc:  # noqa: BLE001 - recorded and reported; the other tasks still run
-                            logger.exception("%s @%s, %d tokens, %s raised", method, budget, length, task)
-                            failed.append(f"{label} @{budget or 'full'}, {length} tokens, {task}")
+                        lm = None
+                        for task in todo:
+                            expected = expected_seconds(taken, previous, label, length)
+                            if args.deadline is not None and time.time() + expected > args.deadline:
+                                logger.info("%s @%s, %d tokens, %s: not started (expected %.0f s, %.0f s left of "
+                                            "--time-budget)", method, budget, length, task, expected,
+                                            args.deadline - time.time())
+                                continue
+                            if args.part is not None and not second_pass and not claim(args.out, (*key, task)):
+                                continue  # another worker has it
+                            name = f"oasis_ruler_{task}_{length}"
+                            started = time.perf_counter()
+                            try:
+                                if lm is None:
+                                    if needs_draft:
+                                        if draft is None:
+                                            draft = models.load(preset["draft"], device=device)[0]
+                                            preset["shapes"]["draft"] = kv_shape(draft)
+                                            stretched.enter_context(yarn_context(draft, need))
+                                        fields["draft_model"] = draft
+                                    lm_class = PressLM if "press" in fields else OasisLM
+                                    lm = lm_class(pretrained=model, tokenizer=tokenizer, budget=budget or 2048,
+                                                  device=device, batch_size=batch_size,
+                                                  graphs=preset["whole_step_graphs"], **fields)
+                                out = lm_eval.simple_evaluate(model=lm, tasks=[name], task_manager=manager,
+                                                              apply_chat_template=args.chat_template)
+                            except Exception as exc:  # noqa: BLE001 - recorded and reported; the others still run
+                                logger.exception("%s @%s, %d tokens, %s raised", method, budget, length, task)
+                                if isinstance(exc, torch.OutOfMemoryError) and not second_pass:
+                                    retry.add((*key, task))  # a failure only if the second pass fails too
+                                elif (*key, task) not in retry:
+                                    failed.append(f"{label} @{budget or 'full'}, {length} tokens, {task}")
+                                row = _row(rows, key, previous)
+                                row.setdefault("errors", {})[task] = f"{type(exc).__name__}: {exc}"[:300]
+                                report(args, preset, model, rows, lm_eval.__version__, final=False)
+                                continue
+                            finally:  # --parts workers share a GPU: what a task's batches reserved goes back to them
+                                if device.startswith("cuda") and args.part is not None:
+                                    torch.cuda.empty_cache()
+                            seconds = time.perf_counter() - started
+                            taken.setdefault((label, length), []).append(seconds)
                             row = _row(rows, key, previous)
-                            row.setdefault("errors", {})[task] = f"{type(exc).__name__}: {exc}"[:300]
+                            row[task] = out["results"][name]["score,none"]
+                            row.setdefault("seconds", {})[task] = round(seconds, 1)
+                            if row.get("errors", {}).pop(task, None) is not None and not row["errors"]:
+                                del row["errors"]
+                            retry.discard((*key, task))
+                            complete_row(row)
+                            logger.info("%s @%s, %d tokens, %s: %.1f in %.0f s%s", method, budget, length, task,
+                                        row[task], seconds,
+                                        f" (row average {row['average']:.1f})" if "average" in row else "")
                             report(args, preset, model, rows, lm_eval.__version__, final=False)
-                            continue
-                        finally:  # --parts workers share a GPU: what a task's batches reserved goes back to the others
-                            if device.startswith("cuda") and args.part is not None:
-                                torch.cuda.empty_cache()
-                        seconds = time.perf_counter() - started
-                        taken.setdefault((label, length), []).append(seconds)
-                        row = _row(rows, key, previous)
-                        row[task] = out["results"][name]["score,none"]
-                        row.setdefault("seconds", {})[task] = round(seconds, 1)
-                        if row.get("errors", {}).pop(task, None) is not None and not row["errors"]:
-                            del row["errors"]
-                        complete_row(row)
-                        logger.info("%s @%s, %d tokens, %s: %.1f in %.0f s%s", method, budget, length, task, row[task],
-                                    seconds, f" (row average {row['average']:.1f})" if "average" in row else "")
-                        report(args, preset, model, rows, lm_eval.__version__, final=False)
     report(args, preset, model, rows, lm_eval.__version__, final=True)
+    failed += [f"{label} @{budget or 'full'}, {length} tokens, {task}" for label, budget, length, task in retry]
     if failed:
         raise SystemExit(f"{len(failed)} task(s) raised (their errors are under 'errors' in {args.out}, their "
                          f"tracebacks above; --resume runs them again): {failed}")

@@ -391,6 +391,51 @@ def test_accuracy_records_a_task_that_raises_and_runs_the_rest(tmp_path, monkeyp
     assert merged["errors"] == {"qa": "E"} and merged["vt"] == 1.0
 
 
+def test_accuracy_tries_a_task_that_ran_out_of_gpu_memory_once_more_after_the_others(tmp_path, monkeypatch):
+    """A task that runs out of GPU memory (--parts workers sharing a GPU, their peaks meeting) is tried again once
+    after the worker's other tasks: a success there leaves no error and a zero exit; a second out-of-memory is
+    recorded and fails the run. Any other exception is not retried."""
+    import sys
+
+    import torch
+
+    from eval import accuracy
+    from eval.plot import result_path
+
+    calls, memory = [], {"oasis_ruler_vt_8192": 1}  # task -> out-of-memory errors still to raise
+
+    def evaluate(model, tasks, task_manager, **kwargs):
+        calls.append(tasks[0])
+        if memory.get(tasks[0], 0):
+            memory[tasks[0]] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.01 GiB")
+        if tasks[0] == "oasis_ruler_qa_8192":
+            raise ValueError("not a memory error")
+        return {"results": {tasks[0]: {"score,none": 50.0}}}
+
+    _fake_press_harness(monkeypatch, evaluate)
+    out = tmp_path / "acc"
+    argv = ["eval.accuracy", "--preset", "gpu-qwen-1.5b", "--device", "cpu", "--lengths", "8192", "--budgets", "512",
+            "--tasks", "vt", "niah_single", "qa", "--out", str(out), "--methods", "kvpress SnapKV (query-agnostic)"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as stop:
+        accuracy.main()
+    assert "qa" in str(stop.value) and "vt" not in str(stop.value)  # only the non-memory error fails the run
+    # vt again after the others; qa (another error) only once
+    assert [c.split("_")[2] for c in calls] == ["vt", "niah", "qa", "vt"]
+    (row,) = json.loads(result_path(out, ".json").read_text())["rows"]
+    assert row["vt"] == row["niah_single"] == 50.0 and set(row["errors"]) == {"qa"}
+    calls.clear()
+    memory["oasis_ruler_vt_8192"] = 2  # out of memory on both tries: recorded, and the run fails naming it
+    monkeypatch.setattr(sys, "argv", [*argv[:argv.index("--tasks") + 1], "vt", "--out", str(tmp_path / "again"),
+                                      *argv[-2:]])
+    with pytest.raises(SystemExit, match="1 task.*vt"):
+        accuracy.main()
+    assert calls == ["oasis_ruler_vt_8192"] * 2
+    (row,) = json.loads(result_path(tmp_path / "again", ".json").read_text())["rows"]
+    assert row["errors"]["vt"].startswith("OutOfMemoryError") and "vt" not in {k for k in row if k != "errors"}
+
+
 def test_accuracy_loads_the_draft_only_for_a_row_that_runs_with_it(tmp_path, monkeypatch):
     """A run of baseline rows never loads the draft (a GPU session that runs only the presses need not carry its
     weights); the first drafted row loads it once and hands it to every drafted row; a drafted method on a preset
