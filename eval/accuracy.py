@@ -63,7 +63,7 @@ from eval._harness import yarn_context
 from eval.plot import plot_accuracy
 from eval.tasks import TASKS, relocate_suite, write_suite
 from oasis_hf import models
-from oasis_hf.config import blocks_for
+from oasis_hf.config import OasisConfig, blocks_for
 from oasis_hf.kernels.ref import SUMMARY_LAYOUT
 
 logger = logging.getLogger("eval.accuracy")
@@ -711,8 +711,9 @@ def memory_columns(row: dict, shapes: dict) -> dict:
     kept += sum(min(length, int(tokens)) - kept for tokens in own.values()) / target["layers"]
     out = {"target KV MiB/seq": kept * per_token / 2**20}
     if not fields.get("dense") and "press" not in fields:
-        block = fields.get("block_size", 32)
-        keys = len(SUMMARY_LAYOUT[fields.get("summary", "mean")])
+        default = OasisConfig()  # what a row that sets neither gets (OasisLM passes the library's defaults on)
+        block = fields.get("block_size", default.block_size)
+        keys = len(SUMMARY_LAYOUT[fields.get("summary", default.summary)])
         out["summaries MiB/seq"] = (keys * blocks_for(length, block) * per_token / 2) / 2**20
     draft = shapes.get("draft")
     if fields.get("draft") and draft:
