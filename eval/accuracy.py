@@ -40,6 +40,9 @@ Compactor (query-agnostic, its design).
 kvpress 0.5.5 needs a transformers that passes ``past_key_values`` to attention modules (5.17 here; 5.18+ renamed
 it), and the runner says so instead of skipping the rows. Every row's table line gives the GPU memory its method
 keeps per sequence (`memory_columns`: the target's KV, OasisKV's summaries, the draft's KV) and the draft's weights.
+
+The rows and presets are in `eval._accuracy_methods`; the result files (rows united across runs and workers with
+their provenance, the tables, the report) in `eval._accuracy_results`; this module runs them.
 """
 
 from __future__ import annotations
@@ -58,99 +61,22 @@ from pathlib import Path
 
 import torch
 
-from eval._common import code_identity, environment, markdown_table, result_path, without_option, write_results
+from eval._accuracy_methods import CHAT_SUFFIX, METHODS, PRESETS, preset_of
+from eval._accuracy_results import (
+    complete_row,
+    kv_shape,
+    load_previous,
+    merge_parts,
+    merge_results,
+    report,
+    row_key,
+)
+from eval._common import code_identity, without_option
 from eval._harness import yarn_context
-from eval.plot import plot_accuracy
 from eval.tasks import TASKS, relocate_suite, write_suite
 from oasis_hf import models
-from oasis_hf.config import OasisConfig, blocks_for
-from oasis_hf.kernels.ref import SUMMARY_LAYOUT
 
 logger = logging.getLogger("eval.accuracy")
-
-# method label -> OasisLM keyword arguments (budget added per row; dense ignores it). Every row takes the preset's
-# batch size: draft-model and prompt-lookup drafts go through `speculative_generate`, batched; a kvpress press
-# compresses each prompt of a batch on its own and decodes the compressed caches together (`eval.press_baselines`).
-#
-# The query-driven OasisKV rows share one selection setting, so that they differ only in where the scoring queries
-# come from: blocks of 16 tokens (sink 16, recent window 64), the prefill's first selection from the exact attention
-# of the prompt's last 32 queries, a selection memory of decay 0.9, and blocks scored by both summaries (mean keys and
-# Quest's per-channel bounds, their softmax shares averaged). Measured on the H200 at 8k tokens, budget 512
-# (`eval/results/accuracy_gpu_qwen_1.5b_variants_8k.md`): blocks of 16 instead of 32 took the suite average from 71.7
-# to 83.7, the window and memory on top to 84.3; both summaries instead of mean keys took it to 86.0 (16k: 81.0 to
-# 83.1; @2048 within 0.2 of mean keys at both lengths). The "block 32" and "mean summaries" rows keep the settings
-# of the earlier runs.
-SELECTION = dict(block_size=16, prefill_window_tokens=32, score_decay=0.9, summary="mean+minmax")
-BLOCK_32 = dict(block_size=32, prefill_window_tokens=0, score_decay=0.0)
-#: The library as a user gets it: `OasisConfig()` at the row's budget, nothing else set (blocks of 32, mean keys, the
-#: default selector); the suite's selection setting above is not the default, so this row says what the default buys.
-DEFAULT_ROW = "OasisKV default (OasisConfig())"
-METHODS = {
-    "dense": dict(dense=True),
-    "static (StreamingLLM)": dict(selector="static"),
-    DEFAULT_ROW: dict(selector="current-query"),
-    "current-query": dict(selector="current-query", **SELECTION),
-    "previous-query": dict(selector="previous-query", **SELECTION),
-    "lookahead (prompt lookup 3)": dict(selector="lookahead", prompt_lookup=3, **SELECTION),
-    "lookahead (draft model)": dict(selector="lookahead", draft=True, **SELECTION),
-    # kvpress presses at the same KV size, under kvpress's own protocols (`eval.press_baselines`): the context
-    # compressed and the question and answer cue prefilled after it (query-agnostic), or context and question
-    # compressed and the cue after them (query-aware); the uncompressed tail counts inside the budget. Expected
-    # attention as kvpress's benchmark registry runs it (AdaKV, epsilon 1e-2) beside the plain press.
-    "kvpress SnapKV (query-aware)": dict(press="SnapKVPress", protocol="query-aware"),
-    "kvpress SnapKV (query-agnostic)": dict(press="SnapKVPress", protocol="query-agnostic"),
-    "kvpress AdaKV SnapKV (query-aware)": dict(press="AdaKVPress(SnapKVPress())", protocol="query-aware"),
-    "kvpress AdaKV expected attention (query-aware)": dict(
-        press="AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))", protocol="query-aware"),
-    "kvpress AdaKV expected attention (query-agnostic)": dict(
-        press="AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))", protocol="query-agnostic"),
-    "kvpress expected attention (query-aware)": dict(press="ExpectedAttentionPress", protocol="query-aware"),
-    # Compactor (Chari & Van Durme 2025: leverage scores of the keys blended with non-causal chunked attention), the
-    # query-agnostic leader kvpress 0.5.5 ships that runs here (KVzip needs its tokenizer from the Hub).
-    "kvpress Compactor (query-agnostic)": dict(press="CompactorPress", protocol="query-agnostic"),
-    # The whole prompt compressed, answer cue included: not a kvpress protocol; the rows of earlier runs.
-    "kvpress SnapKV (whole prompt)": dict(press="SnapKVPress", protocol="whole-prompt"),
-    "kvpress expected attention (whole prompt)": dict(press="ExpectedAttentionPress", protocol="whole-prompt"),
-    # Diagnostic rows, not in the presets (run them with --methods): one summary instead of both (Quest's bounds alone
-    # gave more vt and recall_list answers and fewer cwe and fwe than mean keys), and the selection settings one at a
-    # time.
-    "lookahead (draft model, mean summaries)": dict(selector="lookahead", draft=True,
-                                                    **SELECTION | dict(summary="mean")),
-    "lookahead (draft model, minmax)": dict(selector="lookahead", draft=True, **SELECTION | dict(summary="minmax")),
-    "lookahead (draft model, block 16, no window, no decay)": dict(selector="lookahead", draft=True, block_size=16,
-                                                                   prefill_window_tokens=0, score_decay=0.0),
-    "lookahead (draft model, block 32)": dict(selector="lookahead", draft=True, **BLOCK_32),
-    "lookahead (draft model, block 32, window 32)": dict(selector="lookahead", draft=True,
-                                                         **BLOCK_32 | dict(prefill_window_tokens=32)),
-    "lookahead (draft model, block 32, decay 0.9)": dict(selector="lookahead", draft=True,
-                                                         **BLOCK_32 | dict(score_decay=0.9)),
-    "lookahead (draft model, block 32, window 32, decay 0.9)": dict(
-        selector="lookahead", draft=True, **BLOCK_32 | dict(prefill_window_tokens=32, score_decay=0.9)),
-    "current-query (block 32)": dict(selector="current-query", **BLOCK_32),
-    # Lookahead's background choice corrected inside each step by the step's own queries, at most N blocks fetched
-    # synchronously (`OasisConfig.sync_fetch_blocks`): how much of current-query's lead @512 a few blocks buy.
-    "lookahead (draft model, sync fetch 2)": dict(selector="lookahead", draft=True, sync_fetch_blocks=2, **SELECTION),
-    "lookahead (draft model, sync fetch 8)": dict(selector="lookahead", draft=True, sync_fetch_blocks=8, **SELECTION),
-}
-#: Label suffix of the rows run with the model's chat template (``--chat-template``).
-CHAT_SUFFIX = " [chat template]"
-DIAGNOSTIC = [m for m in METHODS if m.startswith("lookahead (draft model, ") or m.endswith("(block 32)")
-              or m.endswith("(whole prompt)")]
-
-PRESETS = {
-    "cpu-smollm2-2k": dict(model="smollm2-135m-instruct", draft=None, lengths=[2000], samples=3, budgets=[256, 512],
-                           methods=["dense", "static (StreamingLLM)", "current-query", "previous-query",
-                                    "lookahead (prompt lookup 3)"], batch_size=1),
-    # The same rows at one budget and one sample per task: a check of the whole machinery that runs on 2 CPU cores in
-    # about 6 minutes (351 s measured, model load and suite included); one answer is 11 points of a row's average.
-    "cpu-smollm2-2k-quick": dict(model="smollm2-135m-instruct", draft=None, lengths=[2000], samples=1, budgets=[256],
-                                 methods=["dense", "static (StreamingLLM)", "current-query", "previous-query",
-                                          "lookahead (prompt lookup 3)"], batch_size=1),
-    "gpu-qwen-1.5b": dict(model="qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct",
-                          lengths=[8192, 16384, 30000], samples=50, budgets=[512, 1024, 2048],
-                          methods=[m for m in METHODS if m not in DIAGNOSTIC],
-                          batch_size=8),
-}
 
 
 def main() -> None:
@@ -379,18 +305,6 @@ def cached_suite(tokenizer, model_name: str, lengths: list[int], samples: int) -
     return folders
 
 
-def row_key(row: dict) -> tuple:
-    return row["method"], row["budget"], row["length"]
-
-
-def complete_row(row: dict) -> dict:
-    """Set ``row["average"]`` (mean over the suite's tasks) once every task of the suite has a score in `row`;
-    a row still missing tasks has no average (it is listed per task, left out of the summary and the plot)."""
-    if all(task in row for task in TASKS):
-        row["average"] = sum(row[task] for task in TASKS) / len(TASKS)
-    return row
-
-
 def part_path(out: Path, part: int) -> Path:
     return out.with_name(f"{out.name}.part{part}")
 
@@ -410,30 +324,6 @@ def claim(out: Path, key: tuple) -> bool:
     except FileExistsError:
         return False
     return True
-
-
-def merge_rows(*row_lists: list[dict]) -> list[dict]:
-    """Rows of several runs, one per (method, budget, length): their task scores united (the first seen score of a
-    task kept, with its wall time under ``seconds`` where recorded), the average set where the union covers every
-    task."""
-    merged: dict[tuple, dict] = {}
-    for rows in row_lists:
-        for row in rows:
-            into = merged.setdefault(row_key(row), {k: row[k] for k in ("method", "budget", "length")})
-            for task in TASKS:
-                if task in row and task not in into:
-                    into[task] = row[task]
-                    if task in row.get("seconds", {}):
-                        into.setdefault("seconds", {})[task] = row["seconds"][task]
-            if "average" in row and not any(task in row for task in TASKS):  # a row written without its tasks
-                into.setdefault("average", row["average"])
-            for task, error in row.get("errors", {}).items():
-                into.setdefault("errors", {}).setdefault(task, error)
-    for row in merged.values():  # an error stays listed only where no run scored the task
-        errors = {task: error for task, error in row.pop("errors", {}).items() if task not in row}
-        if errors:
-            row["errors"] = errors
-    return [complete_row(row) for row in merged.values()]
 
 
 def worker_gpu(part: int, visible: str | None, gpus: int) -> str:
@@ -502,15 +392,6 @@ def run_parts(parser: argparse.ArgumentParser, args) -> None:
                          "above, then run again with --resume")
 
 
-def preset_of(args) -> dict:
-    """The preset named by ``--preset`` with the ``--samples/--lengths/--budgets/--methods`` overrides."""
-    preset = dict(PRESETS[args.preset])
-    for key in ("samples", "lengths", "budgets", "methods"):
-        if getattr(args, key):
-            preset[key] = getattr(args, key)
-    return preset
-
-
 def part_files(out: Path) -> list[Path]:
     """The worker files (``<out>.partK.json``) next to `out`, in part order."""
     return sorted(out.parent.glob(f"{out.name}.part*.json"), key=lambda p: int(p.name.split(".part")[-1][:-5]))
@@ -520,96 +401,6 @@ def clear_worker_files(out: Path) -> None:
     """Delete the claims and ``<out>.partK`` files of earlier workers (only once their rows are merged into `out`)."""
     for stale in [*claims_dir(out).glob("*"), *out.parent.glob(f"{out.name}.part*")]:
         stale.unlink()
-
-
-def merge_parts(args, preset: dict, files: list[Path], resume: bool, parts: int | None) -> list[dict]:
-    """Unite the rows of the worker files `files` with ``--out``'s (where `resume`) and write ``--out``'s JSON,
-    markdown and plot; returns the merged rows. ``parts=None``: the files are an earlier run's leftovers, so the
-    environment recorded is theirs (the machine that measured), with this command under ``merged_by``."""
-    payloads = [json.loads(path.read_text()) for path in files]
-    rows = merge_rows(load_previous(args, preset) if resume else [], *(p["rows"] for p in payloads))
-    env = environment() if parts is not None or not payloads else payloads[0]["env"]
-    payload = {"env": env, "preset": args.preset, "config": preset, "rows": rows, "summary": summarize(rows),
-               "parts": parts if parts is not None else len(files)}
-    if parts is None:
-        payload["merged_by"] = environment()["command"]
-    if resume:
-        carry_provenance(args.out, payload)
-    _write_merged(args, preset, payload)
-    return rows
-
-
-def carry_provenance(out: Path, payload: dict) -> dict:
-    """A run that resumes a file keeps the provenance of the rows already there and adds itself to ``sources``:
-    a file united from several runs (``--merge-from``) keeps its ``sources`` and ``relabelled``; a file written by
-    one earlier run gets that run's environment as its first source. Rewriting the file never drops who measured
-    its rows."""
-    path = result_path(out, ".json")
-    previous = json.loads(path.read_text()) if path.is_file() else {}
-    earlier = previous.get("sources") or ([{"file": path.name, "env": previous["env"]}]
-                                          if previous.get("rows") and previous.get("env") else [])
-    if earlier:
-        payload["sources"] = [*earlier, {"file": f"{path.name} (resumed)", "env": payload["env"]}]
-    if previous.get("relabelled"):
-        payload["relabelled"] = previous["relabelled"]
-    return payload
-
-
-def _same_run(a: dict, b: dict) -> bool:
-    """Whether two ``sources`` entries record the same process (its start time and command)."""
-    return all(a["env"].get(k) == b["env"].get(k) for k in ("timestamp", "command"))
-
-
-def merge_results(parser: argparse.ArgumentParser, args, preset: dict) -> list[dict]:
-    """``--merge-from`` / ``--relabel``: rename --out's rows (``OLD=NEW``), unite the rows of other result files
-    with them, and write --out's JSON, markdown and plot; returns the rows. The environment recorded stays --out's;
-    every file's environment (the machine, command and source hash that measured its rows) is listed under
-    ``sources``."""
-    path = result_path(args.out, ".json")
-    base = read_result(args.out, preset)
-    if base is None:
-        parser.error(f"--merge-from/--relabel: {path} does not exist")
-    rows = base["rows"]
-    relabelled = list(base.get("relabelled", []))
-    for pair in args.relabel or []:
-        old, sep, new = pair.partition("=")
-        if not sep or not old or not new:
-            parser.error(f"--relabel {pair!r}: write OLD=NEW")
-        if not any(r["method"] == old for r in rows):
-            parser.error(f"--relabel: {path} has no rows of method {old!r}")
-        if any(r["method"] == new for r in rows):
-            parser.error(f"--relabel: {path} already has rows of method {new!r}; relabel those first")
-        for row in rows:
-            if row["method"] == old:
-                row["method"] = new
-        relabelled.append({"from": old, "to": new, "by": environment()["command"]})
-    sources = list(base.get("sources", [{"file": path.name, "env": base["env"]}]))
-    others = []
-    for other in args.merge_from or []:
-        payload = read_result(other, preset)  # same model, draft and samples, or it stops
-        if payload is None:
-            parser.error(f"--merge-from: {result_path(other, '.json')} does not exist")
-        other_rows = payload["rows"]
-        clash = [(row_key(r), t) for r in other_rows for t in TASKS if t in r and t in
-                 next((x for x in rows if row_key(x) == row_key(r)), {})]
-        if clash:
-            logger.warning("%s: %d (row, task) scores already in %s are kept from there: %s", other, len(clash),
-                           path.name, clash[:5])
-        others.append(other_rows)
-        # A file that was itself resumed or united lists the runs that measured its rows under its own sources:
-        # those carry over (once each), then the process that wrote it.
-        name = result_path(other, ".json").name
-        for entry in [*payload.get("sources", []), {"file": name, "env": payload["env"]}]:
-            if not any(_same_run(entry, seen) for seen in sources):
-                sources.append(entry)
-    merged = merge_rows(rows, *others)
-    payload = {"env": base["env"], "preset": base.get("preset", args.preset), "config": base["config"],
-               "rows": merged, "summary": summarize(merged), "parts": base.get("parts"), "sources": sources,
-               "merged_by": environment()["command"]}
-    if relabelled:
-        payload["relabelled"] = relabelled
-    _write_merged(args, preset, payload)
-    return merged
 
 
 class _Stopped(Exception):
@@ -624,159 +415,6 @@ def _stop(signum, frame) -> None:
 def worker_argv(argv: list[str]) -> list[str]:
     """The parent's arguments without ``--parts N`` / ``--parts=N``: what each worker runs (plus ``--part K``)."""
     return without_option(without_option(argv, "--parts"), "--time-budget")
-
-
-def _write_merged(args, preset: dict, payload: dict) -> None:
-    env = payload["env"]
-    if payload.get("merged_by"):  # an earlier run's worker files: `env` is one worker's (one GPU, its --part)
-        files = f"{payload['parts']} worker file{'s' if payload['parts'] != 1 else ''}"
-        last = (f"{files} of an earlier run, the first written by `{env['command']}`, "
-                f"merged by `{payload['merged_by']}`")
-    else:
-        last = f"merged from {payload['parts']} worker processes; `{env['command']}`"
-    if payload.get("sources"):
-        last += " (the latest of the runs listed below)"
-    header = (f"Test configuration: {env.get('gpu', 'cpu')} x {env.get('gpus', 1)}, torch {env['torch']}, "
-              f"transformers {env['transformers']}; model {preset['model']}, draft {preset['draft']}; lengths "
-              f"{sorted({r['length'] for r in payload['rows']})}, "
-              f"{preset['samples']} samples per task and length; scores 0-100 (share of expected "
-              f"strings in the answer); {last}\n\n")
-    if payload.get("sources"):
-        header += "Rows united from these runs (`eval.accuracy --merge-from`), each with the code that measured it:\n\n"
-        header += "".join(f"- `{s['file']}`: {s['env'].get('gpu', 'cpu')}, source sha256 "
-                          f"{str(s['env'].get('source_sha256', '?'))[:12]}, `{s['env'].get('command', '?')}`\n"
-                          for s in payload["sources"])
-        for by in dict.fromkeys(r["by"] for r in payload.get("relabelled", [])):
-            pairs = [r for r in payload["relabelled"] if r["by"] == by]
-            header += f"- renamed by `{by}`: " + "; ".join(f"`{r['from']}` -> `{r['to']}`" for r in pairs) + "\n"
-        header += "\n"
-    tables = _tables(header, payload["rows"], payload["config"].get("shapes"))
-    print(tables)
-    write_results(args.out, payload, tables)
-    plot_accuracy(payload, args.out)
-
-
-def _tables(header: str, rows: list[dict], shapes: dict | None = None) -> str:
-    """The summary table, then every row per task with its GPU memory per sequence (`memory_columns`) where the
-    model shapes are known."""
-    lengths = sorted({r["length"] for r in rows})
-    table = header + "Suite average per method and budget (mean over the lengths measured):\n\n"
-    table += markdown_table(summarize(rows), ["method", "budget", "average", "lengths"] + [f"@{n}" for n in lengths])
-    table += "\n\nPer task, length, method and budget:\n\n"
-    tasks = sorted({k for r in rows for k in r} - {"method", "budget", "length", "average", "seconds", "errors",
-                                                     *MEMORY})
-    errors = [f"- {r['method']} @{r['budget']}, {r['length']} tokens, {task}: `{error}`"
-              for r in rows for task, error in sorted(r.get("errors", {}).items())]
-    memory = []
-    if shapes and shapes.get("model"):
-        rows = [row | memory_columns(row, shapes) for row in rows]
-        memory = [c for c in MEMORY if any(c in r for r in rows)]
-    table += markdown_table(rows, ["method", "budget", "length", "average", *tasks, *memory])
-    if errors:
-        table += "\n\nTasks that raised (no score; `--resume` runs them again):\n\n" + "\n".join(errors) + "\n"
-    return table
-
-
-#: GPU memory columns of a row (MiB): per sequence, and the draft's weights, which a batch shares.
-MEMORY = ("target KV MiB/seq", "summaries MiB/seq", "draft KV MiB/seq", "GPU total MiB/seq", "draft weights MiB")
-
-
-def kv_shape(model) -> dict:
-    """What `memory_columns` needs of a loaded model: full-attention layers, KV heads, head size, element bytes,
-    parameter bytes."""
-    from oasis_hf import compat
-
-    config = compat.text_config(model.config)
-    param = next(model.parameters())
-    return {"layers": sum(t == "full_attention" for t in compat.layer_types(config)),
-            "kv_heads": config.num_key_value_heads,
-            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-            "element_bytes": param.element_size(),
-            "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
-
-
-def memory_columns(row: dict, shapes: dict) -> dict:
-    """GPU bytes a row's method keeps per sequence, in MiB: the target's KV (dense: the whole prompt; OasisKV: its
-    pool of `budget` tokens; kvpress: the `budget` tokens left after compression, masked AdaKV keys not counted),
-    OasisKV's block summaries, the draft model's KV of the whole prompt (it decodes densely), and the draft's
-    weights (shared by a batch, so apart from the per-sequence total)."""
-    fields = METHODS.get(row["method"].removesuffix(CHAT_SUFFIX))
-    if fields is None:
-        return {}
-    target, length = shapes["model"], row["length"]
-    per_token = 2 * target["layers"] * target["kv_heads"] * target["head_dim"] * target["element_bytes"]
-    kept = length if fields.get("dense") else min(length, int(row["budget"]))
-    # Layers with budgets of their own (`layer_budget_tokens`): each holds up to its budget instead of the row's.
-    own = dict(fields.get("layer_budget_tokens") or {})
-    kept += sum(min(length, int(tokens)) - kept for tokens in own.values()) / target["layers"]
-    out = {"target KV MiB/seq": kept * per_token / 2**20}
-    if not fields.get("dense") and "press" not in fields:
-        default = OasisConfig()  # what a row that sets neither gets (OasisLM passes the library's defaults on)
-        block = fields.get("block_size", default.block_size)
-        keys = len(SUMMARY_LAYOUT[fields.get("summary", default.summary)])
-        out["summaries MiB/seq"] = (keys * blocks_for(length, block) * per_token / 2) / 2**20
-    draft = shapes.get("draft")
-    if fields.get("draft") and draft:
-        out["draft KV MiB/seq"] = (length * 2 * draft["layers"] * draft["kv_heads"] * draft["head_dim"]
-                                   * draft["element_bytes"]) / 2**20
-        out["draft weights MiB"] = draft["weight_bytes"] / 2**20
-    out["GPU total MiB/seq"] = sum(v for k, v in out.items() if k.endswith("/seq"))
-    return out
-
-
-def load_previous(args, preset: dict) -> list[dict]:
-    """Rows of an earlier run at ``--out`` with the same model, draft and samples (``--resume``): a preset too large
-    for one GPU session is finished over several, each adding the (length, method, budget) rows it has time for."""
-    payload = read_result(args.out, preset) if args.out else None
-    return payload["rows"] if payload else []
-
-
-def read_result(out: Path, preset: dict) -> dict | None:
-    """The result JSON at `out` (None if there is none), checked to have run the same model, draft and samples as
-    `preset`: rows of different runs are only ever merged when they measured the same thing."""
-    path = result_path(out, ".json")
-    if not path.is_file():
-        return None
-    old = json.loads(path.read_text())
-    for key in ("model", "draft", "samples"):
-        if old["config"].get(key) != preset[key]:
-            raise SystemExit(f"{path} was run with {key}={old['config'].get(key)!r}, this run has "
-                             f"{preset[key]!r}; use another --out")
-    return old
-
-
-def summarize(rows: list[dict]) -> list[dict]:
-    """Per (method, budget): the average over the lengths measured so far (which ones, in ``lengths``)."""
-    out: dict[tuple, dict] = {}
-    for row in rows:
-        if "average" not in row:  # tasks still missing
-            continue
-        entry = out.setdefault((row["method"], row["budget"]), {"method": row["method"], "budget": row["budget"],
-                                                                 "scores": {}})
-        entry["scores"][row.get("length", 0)] = row["average"]  # results from before per-length rows: 0
-    return [{"method": e["method"], "budget": e["budget"],
-             "average": sum(e["scores"].values()) / len(e["scores"]),
-             "lengths": " ".join(str(n) for n in sorted(e["scores"])),
-             **{f"@{n}": v for n, v in sorted(e["scores"].items())}} for e in out.values()]
-
-
-def report(args, preset: dict, model, rows: list[dict], lm_eval_version: str, final: bool) -> None:
-    env = environment()
-    header = (f"Test configuration: {env.get('gpu', 'cpu')}, torch {env['torch']}, transformers {env['transformers']},"
-              f" lm-eval {lm_eval_version}; model {preset['model']} ({next(model.parameters()).dtype}), draft "
-              f"{preset['draft']}; lengths {preset['lengths']}, {preset['samples']} samples per task and length; "
-              f"scores 0-100 (share of expected strings in the answer); `{env['command']}`\n\n")
-    summary = summarize(rows)
-    table = _tables(header, rows, preset.get("shapes"))
-    if final:
-        print(table)
-    if args.out is not None:
-        payload = {"env": env, "preset": args.preset, "config": preset, "rows": rows, "summary": summary}
-        if args.resume and args.part is None:
-            carry_provenance(args.out, payload)
-        write_results(args.out, payload, table)
-        if final and args.part is None:
-            plot_accuracy(payload, args.out)
 
 
 if __name__ == "__main__":

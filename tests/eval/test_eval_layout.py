@@ -1,11 +1,13 @@
 """The lab's layout: benchmark and evaluation scripts under eval/ import the shared modules (results and tables,
-the benchmark harness, figures, the baselines) and never one another (cycles: `tests/test_import_graph.py`)."""
+the benchmark harness, figures, the baselines, the accuracy runner's rows and result files) and never one another
+(cycles: `tests/test_import_graph.py`)."""
 
 import ast
 from pathlib import Path
 
 EVAL = Path(__file__).resolve().parents[2] / "eval"
-SHARED = {"_common", "_harness", "plot", "dense_baselines", "layer_graphs", "press_baselines", "static_decode", "tasks"}
+SHARED = {"_common", "_harness", "_accuracy_methods", "_accuracy_results", "plot", "dense_baselines", "layer_graphs",
+          "press_baselines", "static_decode", "tasks"}
 
 
 def eval_imports() -> dict[str, set[str]]:

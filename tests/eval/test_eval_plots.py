@@ -49,7 +49,7 @@ def test_accuracy_summary_and_resume_guard(tmp_path):
     """Rows per (method, budget, length) average over the lengths measured; --resume refuses another model."""
     from argparse import Namespace
 
-    from eval.accuracy import load_previous, summarize
+    from eval._accuracy_results import load_previous, summarize
 
     rows = [{"method": "dense", "budget": "full", "length": 8192, "average": 80.0},
             {"method": "dense", "budget": "full", "length": 16384, "average": 60.0},
@@ -69,7 +69,8 @@ def test_accuracy_summary_and_resume_guard(tmp_path):
 def test_accuracy_parts_claim_each_row_once_and_merge(tmp_path):
     """--parts plumbing: a row is claimed by exactly one worker, workers' rows merge one per key, the worker command
     drops --parts, and a dotted --out keeps its name (accuracy_qwen_1.5b -> accuracy_qwen_1.5b.json)."""
-    from eval.accuracy import claim, claims_dir, complete_row, merge_rows, part_path, summarize, worker_argv, worker_gpu
+    from eval._accuracy_results import complete_row, merge_rows, summarize
+    from eval.accuracy import claim, claims_dir, part_path, worker_argv, worker_gpu
     from eval.plot import result_path
     from eval.tasks import TASKS
 
@@ -262,6 +263,7 @@ def test_accuracy_merge_from_and_relabel(tmp_path, monkeypatch):
     another model and renames that would collide."""
     import sys
 
+    from eval import _accuracy_results as accuracy_results
     from eval import accuracy
     from eval.plot import result_path
     from eval.tasks import TASKS
@@ -285,7 +287,7 @@ def test_accuracy_merge_from_and_relabel(tmp_path, monkeypatch):
     write("later", [new, _accuracy_rows(8192, {names[0]: 1.0}), _accuracy_rows(16384, {names[0]: 60.0})], "B200")
     merged = run("--out", str(tmp_path / "main"), "--relabel", "lookahead (draft model)=lookahead (draft model, "
                  "block 32)", "--merge-from", str(tmp_path / "later.json"))
-    by_key = {accuracy.row_key(r): r for r in merged["rows"]}
+    by_key = {accuracy_results.row_key(r): r for r in merged["rows"]}
     assert by_key[("lookahead (draft model, block 32)", 512, 8192)][names[0]] == 70.0
     assert by_key[("lookahead (draft model)", 512, 8192)]["average"] == 80.0
     assert by_key[("dense", "full", 8192)][names[0]] == 90.0  # --out's score kept over the other run's
@@ -295,11 +297,13 @@ def test_accuracy_merge_from_and_relabel(tmp_path, monkeypatch):
     table = result_path(tmp_path / "main", ".md").read_text()
     assert "later.json" in table and "`lookahead (draft model)` -> `lookahead (draft model, block 32)`" in table
     # A later run resuming the united file keeps its sources and renames, and adds itself.
-    payload = accuracy.carry_provenance(tmp_path / "main", {"env": {"gpu": "H100", "command": "again"}, "rows": []})
+    payload = accuracy_results.carry_provenance(tmp_path / "main",
+                                                {"env": {"gpu": "H100", "command": "again"}, "rows": []})
     assert [s["env"]["gpu"] for s in payload["sources"]] == ["H200", "B200", "H100"]
     assert payload["relabelled"] == merged["relabelled"]
     # Resuming a file one run wrote: that run becomes the first source (its command measured the rows there).
-    payload = accuracy.carry_provenance(tmp_path / "later", {"env": {"gpu": "H100", "command": "again"}, "rows": []})
+    payload = accuracy_results.carry_provenance(tmp_path / "later",
+                                                {"env": {"gpu": "H100", "command": "again"}, "rows": []})
     assert [(s["file"], s["env"]["command"]) for s in payload["sources"]] == [("later.json", "later"),
                                                                           ("later.json (resumed)", "again")]
     # A file that resumed a copy of --out lists --out's sources and the runs that measured its new rows: --merge-from
@@ -358,6 +362,7 @@ def test_accuracy_records_a_task_that_raises_and_runs_the_rest(tmp_path, monkeyp
     saying which; --resume runs the task again, and its score replaces the error."""
     import sys
 
+    from eval import _accuracy_results as accuracy_results
     from eval import accuracy
     from eval.plot import result_path
 
@@ -387,7 +392,7 @@ def test_accuracy_records_a_task_that_raises_and_runs_the_rest(tmp_path, monkeyp
     assert "Tasks that raised" not in result_path(out, ".md").read_text()
     # Rows united from runs keep an error only where no run scored the task.
     failed = {"method": "m", "budget": 512, "length": 8192, "errors": {"vt": "E", "qa": "E"}}
-    (merged,) = accuracy.merge_rows([failed], [{"method": "m", "budget": 512, "length": 8192, "vt": 1.0}])
+    (merged,) = accuracy_results.merge_rows([failed], [{"method": "m", "budget": 512, "length": 8192, "vt": 1.0}])
     assert merged["errors"] == {"qa": "E"} and merged["vt"] == 1.0
 
 
@@ -776,7 +781,7 @@ def test_accuracy_rows_count_every_gpu_byte_of_their_method(monkeypatch):
     tokens: dense keeps the prompt's KV (448 MiB); OasisKV @2048 its pool (56 MiB) plus mean+minmax summaries of
     blocks of 16 (3 x 1,024 blocks: 42 MiB) plus, with the 0.5B draft (24 layers, 2 KV heads of 64), the draft's
     KV of the whole prompt (192 MiB, 43% of the target's per token) and its weights apart; a press its budget."""
-    from eval.accuracy import memory_columns
+    from eval._accuracy_results import memory_columns
 
     shapes = {"model": dict(layers=28, kv_heads=2, head_dim=128, element_bytes=2, weight_bytes=3 * 2**30),
               "draft": dict(layers=24, kv_heads=2, head_dim=64, element_bytes=2, weight_bytes=2**30)}

@@ -597,7 +597,7 @@ def test_every_accuracy_method_is_a_valid_configuration_at_every_preset_budget()
     """eval.accuracy's rows name their settings; each must build (a typo in a field would fail here, not on the GPU),
     and the OasisKV rows of the GPU preset share one selection setting, so that they differ in the queries only."""
     pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra; `pip install -e .[dev]`")
-    from eval.accuracy import DEFAULT_ROW, METHODS, PRESETS, SELECTION
+    from eval._accuracy_methods import DEFAULT_ROW, METHODS, PRESETS, SELECTION
     from eval.press_baselines import PROTOCOLS
     from oasis_hf import OasisConfig
     from oasis_hf.integrations.lm_eval import oasis_config
@@ -630,7 +630,7 @@ def test_press_specs_build_the_presses_kvpress_registers():
     _kvpress_hooks_or_skip()
     import kvpress
 
-    from eval.accuracy import METHODS
+    from eval._accuracy_methods import METHODS
     from eval.press_baselines import make_press
 
     model = tiny_model("llama")
