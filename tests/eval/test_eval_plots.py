@@ -223,7 +223,7 @@ def test_accuracy_parts_merge_what_a_killed_run_left_before_starting_anew(tmp_pa
     deadlines = {float(cmd[cmd.index("--deadline") + 1]) for cmd in started}  # one, from the parent's start
     assert len(deadlines) == 1 and not any("--time-budget" in cmd for cmd in started)
     # The leftovers were merged, then cleared for the new workers; the new workers' files are deleted once merged,
-    # so the next run does not merge them again as leftovers (session 11 saw that: a duplicate `sources` entry).
+    # so the next run does not merge them again as leftovers (a duplicate `sources` entry otherwise).
     assert not list(tmp_path.glob("acc.part*")) and not list((tmp_path / "acc.claims").glob("*"))
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
@@ -323,7 +323,7 @@ def test_accuracy_merge_from_and_relabel(tmp_path, monkeypatch):
 
 def test_environment_records_the_code_identity_taken_when_the_run_started(monkeypatch):
     """A benchmark's `main` pins `code_identity()` before any work; sources edited later in the run (a commit made
-    while a 20-minute run was going, as in session 11) must not relabel what it measured."""
+    while a 20-minute run was going) must not relabel what it measured."""
     from eval import _common
 
     first = _common.code_identity()
