@@ -41,7 +41,8 @@ class OasisConfig:
         Tokens per KV block (the unit of selection and transfer). Power of two, 16..256. Default 32. Smaller blocks
         select more precisely at the same budget (at budget 512 on Qwen2.5-Coder-1.5B, 8k tokens, 16 instead of 32
         raised the accuracy suite's average from 71.7 to 83.7; at 2048 from 87.3 to 87.8) and cost twice the summary
-        memory and scoring work; the block planner's one-launch kernel covers 2,048 blocks (32k tokens at 16).
+        memory and scoring work; the block planner's kernel holds up to 16,384 blocks per table (256k tokens at 16;
+        larger tables plan with its PyTorch twin).
         Use 16 at budgets of 1,024 and below (with ``sink_tokens=16, recent_tokens=64``).
     budget_tokens : int
         GPU KV budget per (sequence, KV head, layer) in tokens; a multiple of `block_size`. Default 2048.
