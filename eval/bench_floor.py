@@ -32,7 +32,9 @@ sets two runs' profiles side by side.
 
 ``--config FIELD=VALUE ...`` sets `OasisConfig` fields of every OasisKV row (e.g. the accuracy suite's selection
 setting: ``block_size=16 sink_tokens=16 recent_tokens=64 summary=mean+minmax``); the rows' labels carry them and the
-sparse floor reads the summaries they keep.
+sparse floor reads the summaries they keep. ``--variant NAME FIELD=VALUE ...`` (repeatable) runs every OasisKV row
+once more with those fields on top, in the same process, labelled ``[NAME: ...]``, with a sparse floor of its own
+and its step compared with its own static row.
 
 ``--isolate`` runs every method of every point in a process of its own (this script, the same arguments, that point
 and method alone), so that no row is timed after another in its process; the parent computes the floor rows (its
@@ -254,24 +256,27 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
                 "dense-compile")
     host_capacity = context + 64
     configs = []
-    for method in args.methods:
-        if not method.startswith("oasis-"):
-            continue
-        selector = {"oasis-lookahead-real": "lookahead"}.get(method, method.removeprefix("oasis-"))
-        fields = dict(budget_tokens=args.budget, selector=selector, host_capacity_tokens=host_capacity) | args.config
-        if method == "oasis-lookahead-real":
-            if rate is None:
+    for variant, extra in args.variants.items():
+        for method in args.methods:
+            if not method.startswith("oasis-"):
                 continue
-            fields["max_fetch_blocks"] = max(1, math.ceil(rate))
-        # Static selection moves nothing: one row at the library's cap; the others get one row per --fetch-programs.
-        caps = [{}] if method == "oasis-static" else fetch_program_variants(args)
-        # The lookahead rows also run with each --sync-fetch-blocks correction (on random KV the step's own queries
-        # disagree with the job's at every step: each correction fetches its full cap, the cost's upper bound).
-        syncs = [0, *args.sync_fetch_blocks] if selector == "lookahead" else [0]
-        for (compiled, mode), cap, sync in [(v, c, n) for v in compile_variants(args) for c in caps for n in syncs]:
-            configs.append((method, oasis_hf.OasisConfig(**fields, **cap, compile_model=compiled, compile_mode=mode,
-                                                         sync_fetch_blocks=sync), len(caps) > 1))
-    for method, cfg, labelled in configs:
+            selector = {"oasis-lookahead-real": "lookahead"}.get(method, method.removeprefix("oasis-"))
+            fields = (dict(budget_tokens=args.budget, selector=selector, host_capacity_tokens=host_capacity)
+                      | args.config | extra)
+            if method == "oasis-lookahead-real":
+                if rate is None:
+                    continue
+                fields["max_fetch_blocks"] = max(1, math.ceil(rate))
+            # Static selection moves nothing: one row at the library's cap; the others one per --fetch-programs.
+            caps = [{}] if method == "oasis-static" else fetch_program_variants(args)
+            # The lookahead rows also run with each --sync-fetch-blocks correction (on random KV the step's own
+            # queries disagree with the job's at every step: each correction fetches its full cap, the upper bound).
+            syncs = [0, *args.sync_fetch_blocks] if selector == "lookahead" else [0]
+            for (compiled, mode), cap, sync in [(v, c, n) for v in compile_variants(args) for c in caps for n in syncs]:
+                configs.append((method, oasis_hf.OasisConfig(**fields, **cap, compile_model=compiled,
+                                                             compile_mode=mode, sync_fetch_blocks=sync),
+                                len(caps) > 1, variant))
+    for method, cfg, labelled, variant in configs:
         kind = "oasis-lookahead" if method == "oasis-lookahead-real" else method
         profile = (args.profile_here and point in args.profile_points and torch.cuda.is_available()
                    and method in ("oasis-static", "oasis-lookahead", "oasis-lookahead-real"))
@@ -287,7 +292,10 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
             row["method"] += f", sync_fetch_blocks={cfg.sync_fetch_blocks}"
         if args.config:
             row["method"] += ", " + config_label(args.config)
-    rows += floor_rows(model, args.budget, batch, context, bandwidth, args.config)
+        if variant:
+            row["method"] += f" [{variant}: {config_label(args.variants[variant])}]"
+        row["variant"] = variant
+    rows += all_floor_rows(model, args, batch, context, bandwidth)
     annotate(rows)
     return rows
 
@@ -295,6 +303,16 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
 def config_label(fields: dict) -> str:
     """``--config`` fields as a row label: ``block_size=16 summary=mean+minmax``."""
     return " ".join(f"{name}={value}" for name, value in fields.items())
+
+
+def all_floor_rows(model, args, batch: int, context: int, bandwidth: float) -> list[dict]:
+    """The dense floor, and a sparse floor for --config and for each --variant (their summaries differ)."""
+    rows = floor_rows(model, args.budget, batch, context, bandwidth, args.config)
+    for variant, extra in args.variants.items():
+        if variant:
+            sparse = floor_rows(model, args.budget, batch, context, bandwidth, args.config | extra)[1]
+            rows.append(sparse | {"method": f"{sparse['method']} [{variant}]", "variant": variant})
+    return rows
 
 
 def floor_rows(model, budget: int, batch: int, context: int, bandwidth: float,
@@ -322,7 +340,7 @@ def isolated_point(model, args, batch: int, context: int, bandwidth: float) -> l
             child = child_rows("eval.bench_floor", sys.argv[1:], Path(tmp),
                                ["--points", f"{batch}x{context}", "--methods", method, ISOLATED_FLAG])
         rows += [row for row in child if row.get("kind") != "floor"]
-    rows += floor_rows(model, args.budget, batch, context, bandwidth, args.config)
+    rows += all_floor_rows(model, args, batch, context, bandwidth)
     annotate(rows)
     return rows
 
@@ -334,8 +352,8 @@ def annotate(rows: list[dict]) -> None:
         return min(times) if times else None
 
     graphed, eager = best("dense-graphed"), best("dense-eager")
-    static = {(r.get("compiled", False), r.get("compile mode")): r["ms/step (median)"] for r in rows
-              if r.get("kind") == "oasis-static" and "ms/step (median)" in r}
+    static = {(r.get("compiled", False), r.get("compile mode"), r.get("variant", "")): r["ms/step (median)"]
+              for r in rows if r.get("kind") == "oasis-static" and "ms/step (median)" in r}
     for row in rows:
         if "ms/step (median)" not in row:
             continue
@@ -344,7 +362,8 @@ def annotate(rows: list[dict]) -> None:
             row["speed-up vs dense graphed"] = graphed / ms
         if eager:
             row["vs dense eager"] = eager / ms
-        same = static.get((row.get("compiled", False), row.get("compile mode")))  # the same variant's static step
+        # The static step of the same compile variant and --variant.
+        same = static.get((row.get("compiled", False), row.get("compile mode"), row.get("variant", "")))
         if same and row.get("kind", "").startswith("oasis"):
             row["step vs static"] = ms / same
 
@@ -455,6 +474,10 @@ def main() -> None:
     parser.add_argument("--config", nargs="+", default=[], metavar="FIELD=VALUE",
                         help="OasisConfig fields of every OasisKV row, e.g. the accuracy suite's selection setting: "
                              "block_size=16 sink_tokens=16 recent_tokens=64 summary=mean+minmax")
+    parser.add_argument("--variant", nargs="+", action="append", default=[], metavar="NAME FIELD=VALUE",
+                        help="also run every OasisKV row with these OasisConfig fields on top of --config, in the "
+                             "same process, labelled [NAME: ...] (repeatable), e.g. --variant suite block_size=16 "
+                             "sink_tokens=16 recent_tokens=64 summary=mean+minmax")
     parser.add_argument("--delta-rate", type=Path, default=None,
                         help="eval.delta_rate JSON: the highest of its plain-decoding rows' blocks per (seq, head, "
                              "forward), rounded up, becomes the cap of the oasis-lookahead-real row")
@@ -480,6 +503,12 @@ def main() -> None:
                  if m.startswith("oasis-")]
     args.config = config_fields(parser, args.config, [args.budget], rows=[(s, {}) for s in selectors],
                                 reserved=RESERVED)
+    args.variants = {"": {}}
+    for name, *pairs in args.variant:
+        if name in args.variants or "=" in name or not pairs:
+            parser.error(f"--variant {name!r}: write a new NAME, then FIELD=VALUE pairs")
+        args.variants[name] = config_fields(parser, pairs, [args.budget], base=args.config,
+                                            rows=[(s, {}) for s in selectors], reserved=RESERVED)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     oasis_hf.register()
     on_gpu = args.device.startswith("cuda")

@@ -628,12 +628,45 @@ def test_floor_bench_config_sets_every_oasis_row_and_its_floor(tmp_path, monkeyp
     both = bench_floor.floor_rows(model, 256, 2, 30000, 1e12, {"block_size": 16, "sink_tokens": 16,
                                                               "recent_tokens": 64, "summary": "mean+minmax"})
     assert both[1]["ms/step (median)"] > plain
-    for bad, said in (["max_fetch_blocks=4"], "this script sets those"), (["block_size=24"], "power of two"):
-        monkeypatch.setattr(sys, "argv", ["bench_floor", "--device", "cpu", "--methods", "oasis-static",
-                                          "--config", *bad])
+    for bad, said in ((["--config", "max_fetch_blocks=4"], "this script sets those"),
+                      (["--config", "block_size=24"], "power of two"),
+                      (["--variant", "v", "fetch_programs=2"], "this script sets those"),
+                      (["--variant", "block_size=16"], "write a new NAME")):
+        monkeypatch.setattr(sys, "argv", ["bench_floor", "--device", "cpu", "--methods", "oasis-static", *bad])
         with pytest.raises(SystemExit):
             bench_floor.main()
         assert said in capsys.readouterr().err
+
+
+def test_floor_bench_variant_runs_every_oasis_row_again_in_the_same_process(tmp_path, monkeypatch):
+    """Plumbing only, on the CPU: --variant runs each OasisKV row once more with its fields, in this process,
+    labelled; its step is compared with its own static row, and it gets a sparse floor of its own."""
+    import os
+    import sys
+
+    from eval import bench_floor
+
+    out = tmp_path / "floor"
+    monkeypatch.setattr(sys, "argv", ["bench_floor", "--device", "cpu", "--shape", "tiny", "--points", "2x300",
+                                      "--budget", "256", "--warmup", "1", "--repeats", "2", "--compile-model", "off",
+                                      "--methods", "oasis-static", "oasis-lookahead", "--variant", "suite",
+                                      "block_size=16", "sink_tokens=16", "recent_tokens=64", "summary=mean+minmax",
+                                      "--out", str(out)])
+    bench_floor.main()
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    oasis = [r for r in rows if r["kind"].startswith("oasis")]
+    assert [(r["kind"], r["variant"], r["block_size"]) for r in oasis] == [
+        ("oasis-static", "", 32), ("oasis-lookahead", "", 32),
+        ("oasis-static", "suite", 16), ("oasis-lookahead", "suite", 16)]
+    assert all(r["pid"] == os.getpid() for r in oasis)
+    suite = [r for r in oasis if r["variant"] == "suite"]
+    assert all(r["method"].endswith(" [suite: block_size=16 sink_tokens=16 recent_tokens=64 summary=mean+minmax]")
+               for r in suite)
+    for r in oasis:  # each against the static step of its own setting
+        static = next(s for s in oasis if s["kind"] == "oasis-static" and s["variant"] == r["variant"])
+        assert r["step vs static"] == pytest.approx(r["ms_per_step"] / static["ms_per_step"])
+    floors = [r["method"] for r in rows if r["kind"] == "floor"]
+    assert len(floors) == 3 and floors[2].endswith("mean+minmax summaries of blocks of 16 read once) [suite]")
 
 
 def test_floor_bench_isolate_times_every_method_in_a_process_of_its_own(tmp_path, monkeypatch):
