@@ -356,6 +356,12 @@ def _fake_press_harness(monkeypatch, evaluate) -> None:
     monkeypatch.setattr(lm_eval, "simple_evaluate", evaluate)
 
 
+def _press_argv(out, tasks: list[str], *extra: str) -> list[str]:
+    """eval.accuracy's command line for `_fake_press_harness`: one press row at 8k, budget 512, these tasks."""
+    return ["eval.accuracy", "--preset", "gpu-qwen-1.5b", "--device", "cpu", "--lengths", "8192", "--budgets", "512",
+            "--tasks", *tasks, "--out", str(out), "--methods", "kvpress SnapKV (query-agnostic)", *extra]
+
+
 def test_accuracy_records_a_task_that_raises_and_runs_the_rest(tmp_path, monkeypatch):
     """A task whose harness call raises (kvpress's fake-key search failing, an out-of-memory) is recorded under the
     row's 'errors' and listed under the table, the worker's other tasks still run, and the run exits non-zero
@@ -375,8 +381,7 @@ def test_accuracy_records_a_task_that_raises_and_runs_the_rest(tmp_path, monkeyp
 
     _fake_press_harness(monkeypatch, evaluate)
     out = tmp_path / "acc"
-    argv = ["eval.accuracy", "--preset", "gpu-qwen-1.5b", "--device", "cpu", "--lengths", "8192", "--budgets", "512",
-            "--tasks", "niah_single", "vt", "qa", "--out", str(out), "--methods", "kvpress SnapKV (query-agnostic)"]
+    argv = _press_argv(out, ["niah_single", "vt", "qa"])
     monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(SystemExit, match="1 task.*vt"):
         accuracy.main()
@@ -420,9 +425,7 @@ def test_accuracy_tries_a_task_that_ran_out_of_gpu_memory_once_more_after_the_ot
 
     _fake_press_harness(monkeypatch, evaluate)
     out = tmp_path / "acc"
-    argv = ["eval.accuracy", "--preset", "gpu-qwen-1.5b", "--device", "cpu", "--lengths", "8192", "--budgets", "512",
-            "--tasks", "vt", "niah_single", "qa", "--out", str(out), "--methods", "kvpress SnapKV (query-agnostic)"]
-    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(sys, "argv", _press_argv(out, ["vt", "niah_single", "qa"]))
     with pytest.raises(SystemExit) as stop:
         accuracy.main()
     assert "qa" in str(stop.value) and "vt" not in str(stop.value)  # only the non-memory error fails the run
@@ -432,8 +435,7 @@ def test_accuracy_tries_a_task_that_ran_out_of_gpu_memory_once_more_after_the_ot
     assert row["vt"] == row["niah_single"] == 50.0 and set(row["errors"]) == {"qa"}
     calls.clear()
     memory["oasis_ruler_vt_8192"] = 2  # out of memory on both tries: recorded, and the run fails naming it
-    monkeypatch.setattr(sys, "argv", [*argv[:argv.index("--tasks") + 1], "vt", "--out", str(tmp_path / "again"),
-                                      *argv[-2:]])
+    monkeypatch.setattr(sys, "argv", _press_argv(tmp_path / "again", ["vt"]))
     with pytest.raises(SystemExit, match="1 task.*vt"):
         accuracy.main()
     assert calls == ["oasis_ruler_vt_8192"] * 2
@@ -904,10 +906,7 @@ def test_accuracy_time_budget_starts_only_tasks_expected_to_end_in_it(tmp_path, 
 
     _fake_press_harness(monkeypatch, evaluate)
     out = tmp_path / "acc"
-    monkeypatch.setattr(sys, "argv", [
-        "eval.accuracy", "--preset", "gpu-qwen-1.5b", "--device", "cpu", "--lengths", "8192", "--budgets", "512",
-        "--tasks", "niah_single", "vt", "qa", "--out", str(out), "--methods", "kvpress SnapKV (query-agnostic)",
-        "--time-budget", "100"])
+    monkeypatch.setattr(sys, "argv", _press_argv(out, ["niah_single", "vt", "qa"], "--time-budget", "100"))
     accuracy.main()  # 0 s: starts (nothing known); 40 s: 40 more fit in 100; 80 s: they do not
     (row,) = json.loads(result_path(out, ".json").read_text())["rows"]
     assert (row["niah_single"], row["vt"]) == (50.0, 50.0) and "qa" not in row and "errors" not in row
