@@ -150,6 +150,13 @@ def delta_rate(path: Path | None, task: str | None = None) -> tuple[float | None
     return (max(plain) if plain else None), note
 
 
+def rate_block_size(path: Path | None) -> int | None:
+    """The block size the `eval.delta_rate` result was measured at (its ``oasis_config``), or None."""
+    if path is None:
+        return None
+    return json.loads(Path(path).read_text()).get("oasis_config", {}).get("block_size")
+
+
 @torch.inference_mode()
 def oasis_row(model, kind: str, cfg: oasis_hf.OasisConfig, pool: PinnedPool, batch: int, context: int,
               warmup: int, repeats: int, profile: bool) -> dict:
@@ -266,7 +273,10 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
             if method == "oasis-lookahead-real":
                 if rate is None:
                     continue
-                fields["max_fetch_blocks"] = max(1, math.ceil(rate))
+                # A row of another block size moves the measured rate's bytes: blocks scaled by the size ratio.
+                block = int(fields.get("block_size", oasis_hf.OasisConfig.block_size))
+                scale = (args.rate_block_size or block) / block
+                fields["max_fetch_blocks"] = max(1, math.ceil(rate * scale))
             # Static selection moves nothing: one row at the library's cap; the others one per --fetch-programs.
             caps = [{}] if method == "oasis-static" else fetch_program_variants(args)
             # The lookahead rows also run with each --sync-fetch-blocks correction (on random KV the step's own
@@ -288,6 +298,9 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
             row["method"] += f", real-model delta rate ({cfg.max_fetch_blocks} blocks per (seq, head, layer-step))"
             row["note"] = (f"max_fetch_blocks={cfg.max_fetch_blocks}: Qwen2.5-Coder-1.5B's lookahead moved {rate:.2f} "
                            f"blocks per (seq, head, layer-step) at 16k in plain decoding{rate_note}")
+            if args.rate_block_size and args.rate_block_size != cfg.block_size:
+                row["note"] += (f"; measured with blocks of {args.rate_block_size}, replayed here as the same bytes "
+                                f"in blocks of {cfg.block_size}")
         if cfg.sync_fetch_blocks:
             row["method"] += f", sync_fetch_blocks={cfg.sync_fetch_blocks}"
         if args.config:
@@ -527,6 +540,7 @@ def main() -> None:
     bandwidth = hbm_bandwidth(args.device, 4 * GIB if on_gpu else 2**26)
     logger.info("device-to-device copy bandwidth %.2f TB/s", bandwidth / 1e12)
     rate, rate_note = delta_rate(args.delta_rate, args.delta_task)
+    args.rate_block_size = rate_block_size(args.delta_rate)
     pool = PinnedPool()
     rows: list[dict] = []
     for text in args.points:

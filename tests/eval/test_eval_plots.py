@@ -642,16 +642,21 @@ def test_floor_bench_config_sets_every_oasis_row_and_its_floor(tmp_path, monkeyp
 
 def test_floor_bench_variant_runs_every_oasis_row_again_in_the_same_process(tmp_path, monkeypatch):
     """Plumbing only, on the CPU: --variant runs each OasisKV row once more with its fields, in this process,
-    labelled; its step is compared with its own static row, and it gets a sparse floor of its own."""
+    labelled; its step is compared with its own static row, and it gets a sparse floor of its own. The real-model
+    delta rate, measured with blocks of 32, is replayed in the variant's blocks of 16 as the same bytes."""
     import os
     import sys
 
     from eval import bench_floor
 
+    rate = tmp_path / "rate.json"
+    rate.write_text(json.dumps({"oasis_config": {"block_size": 32}, "rows": [
+        {"task": "qa", "method": "lookahead, plain decoding", "blocks/(seq, head, forward)": 2.4}]}))
     out = tmp_path / "floor"
     monkeypatch.setattr(sys, "argv", ["bench_floor", "--device", "cpu", "--shape", "tiny", "--points", "2x300",
                                       "--budget", "256", "--warmup", "1", "--repeats", "2", "--compile-model", "off",
-                                      "--methods", "oasis-static", "oasis-lookahead", "--variant", "suite",
+                                      "--methods", "oasis-static", "oasis-lookahead-real", "--delta-rate", str(rate),
+                                      "--variant", "suite",
                                       "block_size=16", "sink_tokens=16", "recent_tokens=64", "summary=mean+minmax",
                                       "--out", str(out)])
     bench_floor.main()
@@ -660,6 +665,9 @@ def test_floor_bench_variant_runs_every_oasis_row_again_in_the_same_process(tmp_
     assert [(r["kind"], r["variant"], r["block_size"]) for r in oasis] == [
         ("oasis-static", "", 32), ("oasis-lookahead", "", 32),
         ("oasis-static", "suite", 16), ("oasis-lookahead", "suite", 16)]
+    assert [r["max_fetch_blocks"] for r in oasis if r["kind"] == "oasis-lookahead"] == [3, 5]  # 2.4, then 4.8 up
+    assert "replayed here as the same bytes in blocks of 16" in oasis[3]["note"]
+    assert "same bytes" not in oasis[1]["note"]
     assert all(r["pid"] == os.getpid() for r in oasis)
     suite = [r for r in oasis if r["variant"] == "suite"]
     assert all(r["method"].endswith(" [suite: block_size=16 sink_tokens=16 recent_tokens=64 summary=mean+minmax]")
