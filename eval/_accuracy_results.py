@@ -173,7 +173,9 @@ def merge_results(parser: argparse.ArgumentParser, args, preset: dict) -> list[d
     merged = merge_rows(rows, *others)
     payload = {"env": base["env"], "preset": base.get("preset", args.preset), "config": base["config"],
                "rows": merged, "summary": summarize(merged), "parts": base.get("parts"), "sources": sources,
-               "merged_by": environment()["command"]}
+               # --report alone rewrites the markdown: the file's last merge stays its `merged_by`
+               "merged_by": (environment()["command"] if args.merge_from or args.relabel
+                             else base.get("merged_by") or environment()["command"])}
     if relabelled:
         payload["relabelled"] = relabelled
     write_merged(args, preset, payload)
@@ -243,9 +245,32 @@ def tables(header: str, rows: list[dict], shapes: dict | None = None) -> str:
         rows = [row | memory_columns(row, shapes) for row in rows]
         memory = [c for c in MEMORY if any(c in r for r in rows)]
     table += markdown_table(rows, ["method", "budget", "length", "average", *tasks, *memory])
+    if memory:
+        table += "\n\n" + bytes_table(rows)
     if errors:
         table += "\n\nTasks that raised (no score; `--resume` runs them again):\n\n" + "\n".join(errors) + "\n"
     return table
+
+
+def bytes_table(rows: list[dict]) -> str:
+    """Per length, the complete rows ordered by the GPU bytes they keep per sequence (`memory_columns`), each with the
+    best average of any row that keeps no more: a row below that best loses to a cheaper one at equal bytes.
+    `rows` carry their memory columns."""
+    out = ("Suite average against GPU bytes per sequence, per length (complete rows, fewest bytes first; the draft's "
+           "weights, shared by the batch, not included; `best at <= bytes`: the highest average of any row holding "
+           "no more):\n\n")
+    listed = []
+    for length in sorted({r["length"] for r in rows}):
+        ranked = sorted((r for r in rows if r["length"] == length and "average" in r and "GPU total MiB/seq" in r),
+                        key=lambda r: (r["GPU total MiB/seq"], -r["average"]))
+        best = -1.0
+        for row in ranked:
+            best = max(best, row["average"])
+            listed.append({"length": length, "method": row["method"], "budget": row["budget"],
+                           "GPU total MiB/seq": row["GPU total MiB/seq"], "average": row["average"],
+                           "best at <= bytes": best})
+    return out + markdown_table(listed, ["length", "method", "budget", "GPU total MiB/seq", "average",
+                                         "best at <= bytes"])
 
 
 def write_merged(args, preset: dict, payload: dict) -> None:

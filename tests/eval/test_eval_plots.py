@@ -314,6 +314,9 @@ def test_accuracy_merge_from_and_relabel(tmp_path, monkeypatch):
          "rows": [_accuracy_rows(30000, {names[0]: 5.0})]}))
     merged = run("--out", str(tmp_path / "main"), "--merge-from", str(tmp_path / "copy.json"))
     assert [s["env"]["command"] for s in merged["sources"]] == ["main", "later", "measured", "merger"]
+    # --report rewrites the markdown and keeps the rows and the command of the last merge.
+    reported = run("--out", str(tmp_path / "main"), "--report")
+    assert reported["merged_by"] == merged["merged_by"] and reported["rows"] == merged["rows"]
     with pytest.raises(SystemExit):  # the new rows already use the name: renaming onto them would mix two methods
         run("--out", str(tmp_path / "main"), "--relabel", "lookahead (draft model, block 32)=lookahead (draft model)")
     write("other_model", [new], "H200", model="smollm2-135m-instruct")
@@ -844,6 +847,22 @@ def test_accuracy_rows_count_every_gpu_byte_of_their_method(monkeypatch):
     monkeypatch.setitem(accuracy.METHODS, "per-layer", accuracy.METHODS["lookahead (draft model)"] | own)
     layered = memory_columns(row | {"method": "per-layer"}, shapes)
     assert layered["target KV MiB/seq"] == pytest.approx((25 * 2048 + 2 * 16384 + 512) * 2 * 2 * 128 * 2 / 2**20)
+
+
+def test_accuracy_bytes_table_ranks_rows_by_gpu_bytes_and_carries_the_best_cheaper_average():
+    """The equal-bytes view: per length, complete rows fewest GPU bytes first, each with the best average of any row
+    holding no more; incomplete rows and rows of another length stay apart."""
+    from eval._accuracy_results import bytes_table
+
+    rows = [dict(method="dense", budget="full", length=8192, average=89.0, **{"GPU total MiB/seq": 224.0}),
+            dict(method="b", budget=512, length=8192, average=86.0, **{"GPU total MiB/seq": 35.0}),
+            dict(method="a", budget=2048, length=8192, average=80.0, **{"GPU total MiB/seq": 70.0}),
+            dict(method="c", budget=512, length=8192, **{"GPU total MiB/seq": 10.0}),  # tasks missing
+            dict(method="a", budget=2048, length=16384, average=70.0, **{"GPU total MiB/seq": 98.0})]
+    lines = [line for line in bytes_table(rows).splitlines() if line.startswith("| ") and "length" not in line]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    assert [(c[0], c[1], c[5]) for c in cells] == [("8192", "b", "86"), ("8192", "a", "86"), ("8192", "dense", "89"),
+                                                   ("16384", "a", "70")]
 
 
 def test_yarn_context_stretches_the_rotary_embedding_for_long_rows_only():
