@@ -133,13 +133,15 @@ def parse_point(text: str) -> tuple[int, int]:
     return int(batch), int(context)
 
 
-def delta_rate(path: Path | None, task: str | None = None) -> tuple[float | None, str]:
+def delta_rate(path: Path | None, task: str | None = None) -> tuple[float | None, str, int | None]:
     """The blocks per (sequence, KV head) and layer-step to replay: the highest of an `eval.delta_rate` result's
-    plain-decoding rows (one token per forward, as the benchmark's steps), of `task`'s rows only when given, and a
-    note with the drafted rows' rate per forward and per token."""
+    plain-decoding rows (one token per forward, as the benchmark's steps), of `task`'s rows only when given; a
+    note with the drafted rows' rate per forward and per token; and the block size it was measured at (its
+    ``oasis_config``; None if the file does not say)."""
     if path is None:
-        return None, ""
-    rows = [r for r in json.loads(Path(path).read_text())["rows"] if task is None or r.get("task") == task]
+        return None, "", None
+    payload = json.loads(Path(path).read_text())
+    rows = [r for r in payload["rows"] if task is None or r.get("task") == task]
     if not rows:
         raise SystemExit(f"--delta-rate {path}: no rows of task {task!r}")
     plain = [r["blocks/(seq, head, forward)"] for r in rows if "plain decoding" in r["method"]]
@@ -147,14 +149,12 @@ def delta_rate(path: Path | None, task: str | None = None) -> tuple[float | None
     note = "".join(f"; with the draft model ({r['task']}): {r['blocks/(seq, head, forward)']:.2f} per forward of "
                    f"{r['forwards'] and r['new tokens'] / r['forwards']:.1f} tokens, "
                    f"{r['blocks/(seq, head, token)']:.2f} per token" for r in drafted)
-    return (max(plain) if plain else None), note
+    return (max(plain) if plain else None), note, payload.get("oasis_config", {}).get("block_size")
 
 
-def rate_block_size(path: Path | None) -> int | None:
-    """The block size the `eval.delta_rate` result was measured at (its ``oasis_config``), or None."""
-    if path is None:
-        return None
-    return json.loads(Path(path).read_text()).get("oasis_config", {}).get("block_size")
+def selector_of(method: str) -> str:
+    """The `OasisConfig.selector` of an ``oasis-...`` method."""
+    return {"oasis-lookahead-real": "lookahead"}.get(method, method.removeprefix("oasis-"))
 
 
 @torch.inference_mode()
@@ -267,7 +267,7 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
         for method in args.methods:
             if not method.startswith("oasis-"):
                 continue
-            selector = {"oasis-lookahead-real": "lookahead"}.get(method, method.removeprefix("oasis-"))
+            selector = selector_of(method)
             fields = (dict(budget_tokens=args.budget, selector=selector, host_capacity_tokens=host_capacity)
                       | args.config | extra)
             if method == "oasis-lookahead-real":
@@ -512,8 +512,7 @@ def main() -> None:
                         help="cpu: a smoke run of the plumbing (tiny shape; nothing captured, nothing to measure)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    selectors = [{"oasis-lookahead-real": "lookahead"}.get(m, m.removeprefix("oasis-")) for m in args.methods
-                 if m.startswith("oasis-")]
+    selectors = [selector_of(m) for m in args.methods if m.startswith("oasis-")]
     args.config = config_fields(parser, args.config, [args.budget], rows=[(s, {}) for s in selectors],
                                 reserved=RESERVED)
     args.variants = {"": {}}
@@ -539,8 +538,7 @@ def main() -> None:
     model = build_model(shape, "meta" if isolate else args.device, torch.bfloat16 if on_gpu else torch.float32)
     bandwidth = hbm_bandwidth(args.device, 4 * GIB if on_gpu else 2**26)
     logger.info("device-to-device copy bandwidth %.2f TB/s", bandwidth / 1e12)
-    rate, rate_note = delta_rate(args.delta_rate, args.delta_task)
-    args.rate_block_size = rate_block_size(args.delta_rate)
+    rate, rate_note, args.rate_block_size = delta_rate(args.delta_rate, args.delta_task)
     pool = PinnedPool()
     rows: list[dict] = []
     for text in args.points:

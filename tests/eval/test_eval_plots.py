@@ -907,8 +907,9 @@ def test_floor_bench_replays_one_task_delta_rate_from_the_committed_result():
     from eval.bench_floor import delta_rate
 
     path = RESULTS / "delta_rate_qwen1.5b_16k.json"
-    recall_list, note = delta_rate(path, "recall_list")
+    recall_list, note, block_size = delta_rate(path, "recall_list")
     assert math.ceil(recall_list) == 5 and "recall_list" in note and "qa" not in note
+    assert block_size == 32  # measured with the library's blocks (its oasis_config)
     assert delta_rate(path)[0] > recall_list  # the qa rows move more
     with pytest.raises(SystemExit, match="no rows of task"):
         delta_rate(path, "no-such-task")
