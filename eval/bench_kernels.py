@@ -18,12 +18,16 @@ times one Llama-8B layer's weight GEMMs as transformers issues them and with q/k
 interference table runs each part of a lookahead selection job (scoring, plan, gather, and the whole job) beside those
 GEMMs, forked per layer onto a highest-priority stream as the whole-step graph forks it, and reports how much each
 part slows them; then a job that moves a delta at every replay beside a whole 32-layer step with its lm_head, forked
-after every layer and with the jobs of 2, 4 or 8 layers forked together. Prints markdown tables and writes JSON.
+after every layer and with the jobs of 2, 4 or 8 layers forked together. ``--gemm-sm-carveouts`` repeats that table
+with the GEMMs on cuBLASLt told to leave some SMs free (PyTorch's experimental SM carve-out, which only cuBLASLt
+honours), the question being whether GEMMs sized for fewer SMs stop paying for the job beside them. Prints markdown
+tables and writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 from pathlib import Path
 
@@ -413,6 +417,25 @@ def job_interference_rows(batch: int = 8, heads: int = 8, context: int = 32768, 
     return rows
 
 
+@contextlib.contextmanager
+def gemm_library(carveout: int | None):
+    """The weight GEMMs on cuBLAS as PyTorch picks it (`carveout` None), or on cuBLASLt sized for all SMs but
+    `carveout` (``torch._C._set_sm_carveout_experimental``, honoured by cuBLASLt only); both process-wide settings
+    are restored on exit. A CUDA graph keeps the kernels chosen while it was captured."""
+    if carveout is None:
+        yield "cuBLAS"
+        return
+    library = torch.backends.cuda.preferred_blas_library()
+    previous = torch._C._get_sm_carveout_experimental()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch._C._set_sm_carveout_experimental(carveout)
+    try:
+        yield f"cuBLASLt, {carveout} SMs left out"
+    finally:
+        torch._C._set_sm_carveout_experimental(previous)
+        torch.backends.cuda.preferred_blas_library(library)
+
+
 def _elapsed(begin, end) -> float:
     end.synchronize()
     return begin.elapsed_time(end)
@@ -437,9 +460,14 @@ def main() -> None:
     parser.add_argument("--job-interference", type=int, nargs="*", default=[8],
                         help="batches of the job-interference table (each part of a lookahead job beside a layer's "
                              "GEMMs; none: skip it)")
+    parser.add_argument("--gemm-sm-carveouts", type=int, nargs="*", default=[],
+                        help="run the job-interference table again per value with the GEMMs on cuBLASLt leaving that "
+                             "many SMs free (-1: cuBLAS, as the first table)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if any(n < -1 for n in args.gemm_sm_carveouts):
+        parser.error(f"--gemm-sm-carveouts {args.gemm_sm_carveouts}: give -1 (cuBLAS) or a number of SMs >= 0")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     hbm = copy_bandwidth()
@@ -484,13 +512,16 @@ def main() -> None:
                   "graph, as transformers' Llama issues them and with the projections that share an input fused:\n\n")
         table += markdown_table(projections, ["batch", "projections", "us per layer", "MB of weights", "GB/s",
                                               "max abs diff fused vs separate"])
-    interference = [row | {"batch": batch} for batch in args.job_interference or []
-                    for row in job_interference_rows(batch)]
+    interference = []
+    for carveout in [-1, *args.gemm_sm_carveouts] if args.job_interference else []:
+        with gemm_library(None if carveout < 0 else carveout) as gemms:
+            interference += [row | {"batch": batch, "GEMMs": gemms} for batch in args.job_interference
+                             for row in job_interference_rows(batch)]
     if interference:
         table += ("\n\nA lookahead job's parts beside the weight GEMMs (Llama-8B layers, 32k tokens, budget 2048, 5 "
                   "blocks fetched per sequence and KV head, 16 gather programs): each layer forks the part onto a "
                   "highest-priority stream, as the whole-step graph does; microseconds per layer-step:\n\n")
-        table += markdown_table(interference, ["batch", "beside the GEMMs", "us per layer-step", "excess us",
+        table += markdown_table(interference, ["batch", "GEMMs", "beside the GEMMs", "us per layer-step", "excess us",
                                                "part alone us"])
     finish(args, table, {"env": env, "copy GB/s": hbm, "rows": rows, "gather": gathers, "plan": plans,
                          "score": scores, "projections": projections, "job interference": interference},
