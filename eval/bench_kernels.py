@@ -461,13 +461,13 @@ def main() -> None:
                         help="batches of the job-interference table (each part of a lookahead job beside a layer's "
                              "GEMMs; none: skip it)")
     parser.add_argument("--gemm-sm-carveouts", type=int, nargs="*", default=[],
-                        help="run the job-interference table again per value with the GEMMs on cuBLASLt leaving that "
-                             "many SMs free (-1: cuBLAS, as the first table)")
+                        help="after the cuBLAS job-interference table, run it again per value with the GEMMs on "
+                             "cuBLASLt leaving that many SMs free (0: cuBLASLt on every SM)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if any(n < -1 for n in args.gemm_sm_carveouts):
-        parser.error(f"--gemm-sm-carveouts {args.gemm_sm_carveouts}: give -1 (cuBLAS) or a number of SMs >= 0")
+    if any(n < 0 for n in args.gemm_sm_carveouts):
+        parser.error(f"--gemm-sm-carveouts {args.gemm_sm_carveouts}: give numbers of SMs >= 0")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     hbm = copy_bandwidth()
@@ -513,8 +513,8 @@ def main() -> None:
         table += markdown_table(projections, ["batch", "projections", "us per layer", "MB of weights", "GB/s",
                                               "max abs diff fused vs separate"])
     interference = []
-    for carveout in [-1, *args.gemm_sm_carveouts] if args.job_interference else []:
-        with gemm_library(None if carveout < 0 else carveout) as gemms:
+    for carveout in [None, *args.gemm_sm_carveouts] if args.job_interference else []:
+        with gemm_library(carveout) as gemms:
             interference += [row | {"batch": batch, "GEMMs": gemms} for batch in args.job_interference
                              for row in job_interference_rows(batch)]
     if interference:
