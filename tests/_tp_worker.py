@@ -36,6 +36,10 @@ def main(model_dir: str, out_dir: str, budget: int) -> None:
     }
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
     cache.close()
+    # The process group's threads must end before the interpreter does: left to exit, gloo's worker threads were
+    # destroyed while joinable now and then ("terminate called without an active exception", exit code -6).
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
