@@ -8,8 +8,9 @@ For each budget, decoding loop and selector, one greedy generation of the same p
 `oasis_hf.cli.passkey_prompt`; or, with ``--task``, prompts of one task of the accuracy suite, to see where a task's
 points go) with `OasisConfig(measure_recall=True)`: after every decode step of every layer the
 step's exact attention (all keys read back from host memory) is compared with what was resident. Reports the
-attention mass on resident blocks, the recall of the exact top-S blocks (over all of the forward's queries), and
-whether the pass key came out.
+attention mass on resident blocks, the recall of the exact top-S blocks (over all of the forward's queries), whether
+the pass key came out, and the blocks fetched per (KV head, layer-step), with those of the in-step correction
+(`OasisConfig.sync_fetch_blocks`) apart: random K/V fetches the full cap every step, a real model fewer.
 
 Selectors are compared within a decoding loop (`LOOPS`): plain greedy decoding (one query per forward, where
 ``lookahead`` has no drafts and equals ``previous-query``), HF prompt lookup, and `oasis_hf.speculative_generate`
@@ -50,6 +51,8 @@ SELECTORS = [  # (label, selector, other OasisConfig fields)
     ("lookahead, mean+minmax summaries", "lookahead", {"summary": "mean+minmax"}),
     ("oracle (exact, synchronous)", "oracle", {}),
 ]
+FETCHED = "fetched blocks/(head, layer-step)"
+CORRECTED = "of which in-step correction"
 # How the tokens are produced. The oracle set of a forward is the exact top-S of all its queries' attention, so
 # selectors are compared within one decoding loop: across loops the forwards (1 query, or 1 + drafts) differ.
 LOOPS = {
@@ -121,6 +124,7 @@ def main() -> None:
 def run_row(args, model, tokenizer, draft, budget: int, loop: str, label: str, selector: str, fields: dict) -> dict:
     """One selector under one decoding loop, over ``--trials`` prompts: mean attention mass and top-S recall."""
     mass, topk, correct, narrowed = [], [], 0.0, 0
+    moved = {"fetched": 0.0, "corrected": 0.0, "steps": 0}  # blocks, and (KV head, layer-step) pairs
     layer_mass: dict[int, list[float]] = {}
     layer_topk: dict[int, list[float]] = {}
     samples = task_samples(args.task, args.context, args.trials, tokenizer) if args.task else None
@@ -140,6 +144,9 @@ def run_row(args, model, tokenizer, draft, budget: int, loop: str, label: str, s
                             prompt_lookup=3 if loop == "prompt-lookup" else 0)["text"]
             stats = cache.stats.summary()
         narrowed += stats["narrowed_jobs"]
+        moved["fetched"] += stats["fetched_blocks"]
+        moved["corrected"] += stats["corrected_blocks"]
+        moved["steps"] += stats["decode_layer_steps"] * model.config.num_key_value_heads
         if stats["recall_steps"]:  # a generation that ended in its first forward has no decode step
             mass.append(stats["mass_recall"])
             topk.append(stats["topk_recall"])
@@ -153,6 +160,9 @@ def run_row(args, model, tokenizer, draft, budget: int, loop: str, label: str, s
     return {"budget": budget, "decoding": loop, "method": label, "attention mass on resident": mean_mass,
             "oracle top-S recall": sum(topk) / len(topk) if topk else "no decode step",
             found_column(args): f"{correct:g}/{args.trials}", "jobs narrowed": narrowed,
+            # Per (KV head, layer-step), the unit of `max_fetch_blocks` and `sync_fetch_blocks`: all fetched blocks,
+            # and those of the in-step correction alone (what a real model moves, against random K/V's full cap).
+            FETCHED: moved["fetched"] / max(1, moved["steps"]), CORRECTED: moved["corrected"] / max(1, moved["steps"]),
             # Per layer index, averaged over the trials: where the selection loses attention (`report`'s second table).
             "layer mass": {i: sum(v) / len(v) for i, v in sorted(layer_mass.items())},
             "layer top-S recall": {i: sum(v) / len(v) for i, v in sorted(layer_topk.items())}}
@@ -201,7 +211,7 @@ def report(args, model, rows: list[dict], final: bool) -> None:
     header += "".join(f"- `[{name}]`: {', '.join(f'{k}={v}' for k, v in fields.items())}\n"
                       for name, fields in args.variant.items()) + "\n"
     columns = ["budget", "decoding", "method", "attention mass on resident", "oracle top-S recall", found_column(args),
-               "jobs narrowed"]
+               "jobs narrowed", FETCHED, CORRECTED]
     table = header + markdown_table(rows, columns) + layer_table(rows)
     if final:
         print(table)

@@ -161,13 +161,19 @@ def test_sync_fetch_corrects_an_asynchronous_selection_inside_the_step(selector)
         logits = _teacher_forced_logits(model, cache, ids, prompt)
         return logits, cache
 
-    current, _ = run(selector="current-query", max_fetch_blocks=None)
+    current, cache = run(selector="current-query", max_fetch_blocks=None)
+    assert cache.stats.summary()["corrected_blocks"] == 0  # a synchronous selector's fetches are its selection
     gaps = []
     for cap in (0, 1, 4):
         logits, cache = run(selector=selector, sync_fetch_blocks=cap)
         gaps.append((logits - current).abs().mean().item())
         for layer in cache.oasis_layers:
             layer.table.check()
+        stats = cache.stats.summary()
+        # Counted apart from the jobs' fetches (and inside the total): at most `cap` per KV head and layer-step.
+        limit = cap * model.config.num_key_value_heads * stats["decode_layer_steps"]
+        assert (0 < stats["corrected_blocks"] <= limit) if cap else stats["corrected_blocks"] == 0, (cap, stats)
+        assert stats["fetched_blocks"] > stats["corrected_blocks"]
     assert gaps[0] > 1e-2, "premise: the asynchronous selection differs from the step's own"
     assert gaps[0] > gaps[1] > gaps[2], gaps
     corrected, _ = run(selector=selector, sync_fetch_blocks=16)  # 16 slots: the whole budget

@@ -387,7 +387,7 @@ class OasisLayer(CacheLayerMixin):
             asynchronous = self.cache.selector.asynchronous
             scores = scoring.block_scores(self, query, scale, start, memory=not asynchronous)
             cap = cfg.sync_fetch_blocks if asynchronous else cfg.max_fetch_blocks
-            blocks, slots, valid = scoring.plan(self, scores, cap)
+            blocks, slots, valid = scoring.plan(self, scores, cap, "corrected" if asynchronous else "fetched")
             self.cache.host.fetch(self.layer_idx, blocks, self.pool_k, self.pool_v, slots, valid, cfg.kernel_backend)
         if end is None:
             end = start + key.shape[2]

@@ -46,7 +46,7 @@ def prefill(layer: OasisLayer, query, key, value, attention_mask, scale: float, 
     block_ids = torch.arange(num_blocks, device=layer.device)
     layer.summaries.write(block_ids, blocks_k, token_ok(layer, block_ids, end))
     blocks, slots, valid = plan(layer, prefill_scores(layer, query, key, scale, 0, end), max_fetch=None,
-                                count=False)
+                                counter=None)
     # The pool is empty, so every chosen block is a miss: copy them from the chunk, not from host.
     # `slots` is a permutation of the S slots, so scattering all S entries is safe; invalid ones stay unmapped.
     index = blocks.clamp(0, num_blocks - 1)[..., None, None].expand(-1, -1, -1, cfg.block_size, layer.head_dim)

@@ -49,10 +49,11 @@ def block_scores(layer: OasisLayer, query: torch.Tensor, scale: float, start: to
     )  # fmt: skip
 
 
-def plan(layer: OasisLayer, scores: torch.Tensor, max_fetch: int | None, count: bool = True):
-    """`BlockTable.plan` of `layer`'s table with its kernel backend: ``(blocks, slots, valid)``; `count`: add the
-    fetched blocks to the statistics."""
-    fetched = layer.cache.stats.counters(layer.device)[1:2] if count else None
+def plan(layer: OasisLayer, scores: torch.Tensor, max_fetch: int | None, counter: str | None = "fetched"):
+    """`BlockTable.plan` of `layer`'s table with its kernel backend: ``(blocks, slots, valid)``; the fetched blocks
+    are added to the statistics' `counter` (``"corrected"``: an asynchronous selector's in-step correction; None:
+    not counted)."""
+    fetched = layer.cache.stats.counter(layer.device, counter) if counter is not None else None
     return layer.table.plan(scores, max_fetch, layer.config.kernel_backend, fetched)
 
 

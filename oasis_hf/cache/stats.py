@@ -8,6 +8,11 @@ from typing import Any
 
 import torch
 
+#: The device counters, in their tensor's order: blocks placed by prefills, blocks fetched by selection (a
+#: synchronous selector's in-step fetch or an asynchronous one's job), and blocks fetched inside a step by an
+#: asynchronous selector's correction (`OasisConfig.sync_fetch_blocks`).
+COUNTERS = ("prefilled", "fetched", "corrected")
+
 
 @dataclass
 class OasisStats:
@@ -30,25 +35,31 @@ class OasisStats:
     #: `OasisConfig.measure_recall`, per layer index: [layer-steps measured, attention mass on resident summed,
     #: top-S recall summed].
     layer_recall: dict[int, list[float]] = field(default_factory=dict)
-    _counts: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)  # [prefilled, fetched]
+    _counts: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)  # in `COUNTERS` order
     #: Waits for outstanding jobs: a weak reference to the cache's `wait` (the stats must not keep the cache alive),
     #: set by the cache that owns these statistics.
     drain: weakref.WeakMethod | None = field(default=None, repr=False)
 
     def counters(self, device: torch.device) -> torch.Tensor:
-        """The (2,) int64 counter tensor on `device`, created on first use (call it outside graph capture)."""
+        """The (3,) int64 counter tensor on `device` (`COUNTERS`), created on first use (call it outside graph
+        capture)."""
         device = torch.device(device)
         if device not in self._counts:
-            self._counts[device] = torch.zeros(2, dtype=torch.int64, device=device)
+            self._counts[device] = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
         return self._counts[device]
+
+    def counter(self, device: torch.device, name: str) -> torch.Tensor:
+        """The (1,) view of counter `name` (one of `COUNTERS`) on `device`, for a kernel to add to in place."""
+        index = COUNTERS.index(name)
+        return self.counters(device)[index : index + 1]
 
     def record_prefill(self, layer_idx: int, valid: torch.Tensor) -> None:
         self.prefill_layers += 1
-        self.counters(valid.device)[0].add_(valid.sum())
+        self.counter(valid.device, "prefilled").add_(valid.sum())
 
     def record_fetched(self, valid: torch.Tensor) -> None:
         """Add the blocks fetched this step (in place; safe inside graph capture once `counters` exists)."""
-        self.counters(valid.device)[1].add_(valid.sum())
+        self.counter(valid.device, "fetched").add_(valid.sum())
 
     def record_recall(self, layer_idx: int, mass_recall: float, topk_recall: float) -> None:
         """One measured layer-step (`OasisConfig.measure_recall`): its mass share and top-S recall."""
@@ -63,10 +74,12 @@ class OasisStats:
         if wait is not None:
             wait()
         steps, mass, topk = (sum(s[i] for s in self.layer_recall.values()) for i in range(3))
-        totals = [0, 0]
+        totals = dict.fromkeys(COUNTERS, 0)
         for counts in self._counts.values():
-            for i, value in enumerate(counts.tolist()):
-                totals[i] += value
+            for name, value in zip(COUNTERS, counts.tolist(), strict=True):
+                totals[name] += value
+        fetched = totals["fetched"] + totals["corrected"]
+        per_step = max(1, self.decode_layer_steps)
         return {
             "prefill_layers": self.prefill_layers,
             "decode_layer_steps": self.decode_layer_steps,
@@ -78,9 +91,12 @@ class OasisStats:
             "prefetch_job_host_s": self.prefetch_job_host_s,
             "narrowed_jobs": self.narrowed_jobs,
             "stale_steps": self.stale_steps,
-            "initial_blocks": totals[0],
-            "fetched_blocks": totals[1],
-            "fetched_blocks_per_layer_step": totals[1] / max(1, self.decode_layer_steps),
+            "initial_blocks": totals["prefilled"],
+            # Every block moved to the GPU after the prefills, the in-step corrections included; those alone below.
+            "fetched_blocks": fetched,
+            "fetched_blocks_per_layer_step": fetched / per_step,
+            "corrected_blocks": totals["corrected"],
+            "corrected_blocks_per_layer_step": totals["corrected"] / per_step,
             "recall_steps": steps,
             "mass_recall": mass / steps if steps else None,
             "topk_recall": topk / steps if steps else None,
