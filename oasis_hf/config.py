@@ -87,6 +87,11 @@ class OasisConfig:
         evicting the residents those queries rate lowest; the background job still moves the rest of the delta.
         It fetches nothing when the prefetched blocks already hold the step's top blocks, so its transfer cost
         follows the misses (FreeKV corrects its speculative selection in the same spirit). ``0`` (default): off.
+    sync_fetch_memory : bool
+        With ``sync_fetch_blocks``: the correction ranks blocks by the step's own share or the decayed selection
+        memory, whichever is larger (the memory is read, not updated), so it evicts the residents that neither this
+        step nor the recent ones rate, not the ones this step's queries rate lowest, which the next background job
+        would fetch back. Needs ``score_decay > 0``. Default False (the step's own queries alone).
     fetch_programs : int | None
         GPU programs (thread blocks) the gather kernel of a *background* selection job may use; each loops over its
         share of the delta. A program reading host memory holds its SM while it waits on PCIe, so an uncapped
@@ -204,6 +209,7 @@ class OasisConfig:
     summary: str = "mean"
     max_fetch_blocks: int | None = 16
     sync_fetch_blocks: int = 0
+    sync_fetch_memory: bool = False
     fetch_programs: int | None = 16
     kernel_backend: str = "auto"
     host_capacity_tokens: int | None = None
@@ -318,6 +324,12 @@ class OasisConfig:
             0.0 <= self.score_decay < 1.0
         ):
             raise bad("score_decay", self.score_decay, "use a float in [0, 1) (0: no selection memory)")
+        if not isinstance(self.sync_fetch_memory, bool):
+            raise bad("sync_fetch_memory", self.sync_fetch_memory, "use True or False")
+        if self.sync_fetch_memory and not (self.sync_fetch_blocks and self.score_decay > 0):
+            raise bad("sync_fetch_memory", self.sync_fetch_memory,
+                      "it ranks the in-step correction by the selection memory: set sync_fetch_blocks > 0 and "
+                      "score_decay > 0, or leave it False")
         if self.host_memory_limit_bytes is not None and (
             not isinstance(self.host_memory_limit_bytes, int) or isinstance(self.host_memory_limit_bytes, bool)
             or self.host_memory_limit_bytes <= 0

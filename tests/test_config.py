@@ -44,6 +44,8 @@ BAD = [
     ("sync_fetch_blocks", -1, "non-negative int"),
     ("sync_fetch_blocks", True, "non-negative int"),
     ("sync_fetch_blocks", 2, "selects inside the step already"),  # the default selector is current-query
+    ("sync_fetch_memory", 1, "True or False"),
+    ("sync_fetch_memory", True, "set sync_fetch_blocks > 0"),  # no correction to rank
 ]
 
 

@@ -180,6 +180,29 @@ def test_sync_fetch_corrects_an_asynchronous_selection_inside_the_step(selector)
     torch.testing.assert_close(corrected, current, atol=1e-5, rtol=1e-5)
 
 
+def test_sync_fetch_memory_ranks_the_correction_without_updating_the_memory():
+    """`sync_fetch_memory`: the in-step correction ranks blocks by the step's share or the decayed selection memory
+    and leaves the memory to the background jobs. Layer 0's queries and summaries do not depend on what was resident,
+    so its memory after a run is the jobs' alone, with or without a correction that reads it; the correction still
+    fetches, and the memory changes what it keeps (the logits differ from the memory-less correction's)."""
+    model = _sharp_llama("oasis")
+    ids = torch.randint(1, VOCAB, (1, 420), generator=torch.Generator().manual_seed(3))
+    common = dict(budget_tokens=256, score_decay=0.9, prefetch=False, selector="lookahead")
+    runs = {}
+    for name, fields in (("no correction", {}), ("own queries", dict(sync_fetch_blocks=2)),
+                         ("with memory", dict(sync_fetch_blocks=2, sync_fetch_memory=True))):
+        cache = oasis_cache(model, **common, **fields)
+        logits = _teacher_forced_logits(model, cache, ids, 400)
+        for layer in cache.oasis_layers:
+            layer.table.check()
+        runs[name] = (logits, cache.oasis_layers[0].score_memory.clone(), cache.stats.summary())
+    assert torch.equal(runs["with memory"][1], runs["no correction"][1])
+    assert runs["with memory"][2]["corrected_blocks"] > 0
+    assert (runs["with memory"][0] - runs["own queries"][0]).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="score_decay > 0"):
+        oasis_hf.OasisConfig(selector="lookahead", sync_fetch_blocks=2, sync_fetch_memory=True, score_decay=0.0)
+
+
 def test_beam_search_is_refused():
     model = tiny_model("llama", attn="oasis")
     ids, mask = left_padded([60])

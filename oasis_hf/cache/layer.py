@@ -385,7 +385,8 @@ class OasisLayer(CacheLayerMixin):
         # `sync_fetch_blocks` correct it here with the step's own queries, a few blocks at most).
         if not self.cache.selector.asynchronous or cfg.sync_fetch_blocks:
             asynchronous = self.cache.selector.asynchronous
-            scores = scoring.block_scores(self, query, scale, start, memory=not asynchronous)
+            memory = "update" if not asynchronous else "read" if cfg.sync_fetch_memory else "off"
+            scores = scoring.block_scores(self, query, scale, start, memory=memory)
             cap = cfg.sync_fetch_blocks if asynchronous else cfg.max_fetch_blocks
             blocks, slots, valid = scoring.plan(self, scores, cap, "corrected" if asynchronous else "fetched")
             self.cache.host.fetch(self.layer_idx, blocks, self.pool_k, self.pool_v, slots, valid, cfg.kernel_backend)

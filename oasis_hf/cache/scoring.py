@@ -24,16 +24,19 @@ if TYPE_CHECKING:
 
 def block_scores(layer: OasisLayer, query: torch.Tensor, scale: float, start: torch.Tensor,
                  num_tokens: int | None = None, raw: torch.Tensor | None = None,
-                 start_offset: int = 0, memory: bool = True) -> torch.Tensor:
+                 start_offset: int = 0, memory: str = "update") -> torch.Tensor:
     """(B, H_kv, NB_cap) scores of `layer`'s blocks.
 
     The view holds positions up to ``start + start_offset + num_tokens - 1`` (`start`: 0-d long tensor;
     `num_tokens` defaults to the T of `query` (B, H_q, T, D), whose rows score the blocks). `raw` (B, H_kv,
     NB_cap): scores of those rows computed elsewhere (the prefill window) instead of the selector's. With
     `OasisConfig.score_decay` the scores of a selector that takes it (not `static` or `oracle`) are merged into
-    the layer's selection memory; ``memory=False`` neither reads nor updates it (`OasisConfig.sync_fetch_blocks`'
-    in-step correction scores with the step's own queries alone).
+    the layer's selection memory (``memory="update"``); ``"read"`` merges it without updating it, ``"off"``
+    neither reads nor updates it (`OasisConfig.sync_fetch_blocks`' in-step correction: ``"read"`` with
+    `OasisConfig.sync_fetch_memory`, else ``"off"``: the step's own queries alone).
     """
+    if memory not in ("update", "read", "off"):
+        raise ValueError(f"block_scores: memory={memory!r}; choose 'update', 'read' or 'off'")
     cfg = layer.config
     selector = layer.cache.selector
     if raw is None and selector.scoring == "custom":
@@ -45,7 +48,8 @@ def block_scores(layer: OasisLayer, query: torch.Tensor, scale: float, start: to
         kind=layer.summaries.kind, source="raw" if raw is not None else selector.scoring,
         num_tokens=query.shape[2] if num_tokens is None else num_tokens, block_size=cfg.block_size,
         sink_blocks=cfg.sink_blocks, recent_blocks=cfg.recent_blocks,
-        decay=cfg.score_decay if selector.window_and_memory and memory else 0.0, start_offset=start_offset,
+        decay=cfg.score_decay if selector.window_and_memory and memory != "off" else 0.0, start_offset=start_offset,
+        memory_write=memory == "update",
     )  # fmt: skip
 
 

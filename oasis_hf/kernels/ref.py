@@ -287,6 +287,7 @@ def score_blocks_ref(
     recent_blocks: int,
     decay: float = 0.0,
     start_offset: int = 0,
+    memory_write: bool = True,
 ) -> torch.Tensor:
     """Every block's selection score with the rules every selector shares (twin of `score_blocks`).
 
@@ -300,7 +301,8 @@ def score_blocks_ref(
     summaries : (n, B, H_kv, NB_cap, D) block summaries in the layout of `kind` (`SUMMARY_LAYOUT`).
     raw : (B, H_kv, NB_cap) scores computed elsewhere (``source="raw"``: the exact mass of an oracle or of the
         prefill window), else None.
-    memory : (B, H_kv, NB_cap) float32 selection memory, updated in place when ``decay > 0`` (else unused).
+    memory : (B, H_kv, NB_cap) float32 selection memory, read when ``decay > 0`` (else unused) and then updated in
+        place unless ``memory_write=False`` (a score that consults the memory without becoming part of it).
     kv_start : (B,) first real position. scale : softmax scale.
     kind : summary layout. source : ``"summaries"`` (softmax share of each row's block logits, summed over the G * T
         rows), ``"recency"`` (the block index: StreamingLLM) or ``"raw"``.
@@ -329,7 +331,8 @@ def score_blocks_ref(
     if decay > 0:
         rows = query.shape[1] // num_kv_heads * query.shape[2]
         score = torch.maximum(torch.where(ok, score / rows, 0.0), memory * decay)
-        memory.copy_(score)
+        if memory_write:
+            memory.copy_(score)
     recent_from = torch.minimum(num_blocks - recent_blocks, view_start // block_size)
     forced = ok & ((ids < first + sink_blocks) | (ids >= recent_from))
     return torch.where(forced, _INF, torch.where(ok, score, -_INF))

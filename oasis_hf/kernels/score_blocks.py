@@ -156,8 +156,8 @@ if triton is not None:
         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
         SPLITS_P2: tl.constexpr, SOURCE: tl.constexpr, CHANNELS: tl.constexpr, FIRST_BOUND: tl.constexpr,
         MEAN_AT: tl.constexpr, LO_AT: tl.constexpr, HI_AT: tl.constexpr, START_OFFSET: tl.constexpr,
-        NUM_TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr, MEMORY: tl.constexpr, DOT_FP32: tl.constexpr,
-        IEEE: tl.constexpr,
+        NUM_TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr, MEMORY: tl.constexpr, MEMORY_WRITE: tl.constexpr,
+        DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -196,7 +196,8 @@ if triton is not None:
             if MEMORY:
                 kept = tl.load(MEM + row + cols, mask=in_cap, other=0.0)
                 score = tl.maximum(tl.where(ok, score / (GROUP * NUM_ROWS_T), 0.0), kept * decay)
-                tl.store(MEM + row + cols, score, mask=in_cap)
+                if MEMORY_WRITE:
+                    tl.store(MEM + row + cols, score, mask=in_cap)
             forced = ok & ((cols < first + sink_blocks) | (cols >= recent_from))
             out = tl.where(forced, float("inf"), tl.where(ok, score, float("-inf")))
             tl.store(OUT + row + cols, out, mask=in_cap)
@@ -233,6 +234,7 @@ def score_blocks(
     recent_blocks: int,
     decay: float = 0.0,
     start_offset: int = 0,
+    memory_write: bool = True,
 ) -> torch.Tensor:
     """Every block's selection score, rules and memory applied (Triton; the twin `score_blocks_ref` says what).
 
@@ -241,9 +243,10 @@ def score_blocks(
     query : (B, H_q, T, D) the scoring rows, last dim contiguous (only its shape for the other sources).
     summaries : (n, B, H_kv, NB_cap, D) contiguous, in the layout of `kind` (`SUMMARY_LAYOUT`).
     raw : (B, H_kv, NB_cap) contiguous (``source="raw"``) or None. memory : (B, H_kv, NB_cap) float32 contiguous,
-        updated in place when ``decay > 0``.
+        read when ``decay > 0`` and then updated in place unless ``memory_write=False``.
     kv_start : (B,) int64; start : 0-d int64 tensor (read on the device); scale : softmax scale.
-    kind, source, num_tokens, block_size, sink_blocks, recent_blocks, decay, start_offset : see the twin.
+    kind, source, num_tokens, block_size, sink_blocks, recent_blocks, decay, start_offset, memory_write : see the
+        twin.
 
     Returns
     -------
@@ -290,6 +293,7 @@ def score_blocks(
     _scores_kernel[grid](
         query, summaries, raw if raw is not None else out, memory if memory is not None else out, out, kv_start,
         start, m_part, l_part, num_cap, per_split, scale, float(decay), sink_blocks, recent_blocks, *strides,
-        SPLITS_P2=max(2, triton.next_power_of_2(splits)), SOURCE=SOURCES.index(source), MEMORY=decay > 0, **common,
+        SPLITS_P2=max(2, triton.next_power_of_2(splits)), SOURCE=SOURCES.index(source), MEMORY=decay > 0,
+        MEMORY_WRITE=memory_write, **common,
     )  # fmt: skip
     return out

@@ -237,9 +237,9 @@ def _rules(case, **over):
 
 
 def _slow_scores(query, summaries, kind, kv_start, start, scale, memory, num_tokens, block_size, sink_blocks,
-                 recent_blocks, decay, start_offset=0):
+                 recent_blocks, decay, start_offset=0, memory_write=True):
     """The rules the slow way: a softmax per query row over the choosable blocks (mean logit and/or Quest's bound
-    per channel), then per block forced / excluded / remembered."""
+    per channel), then per block forced / excluded / remembered (and the memory updated unless not `memory_write`)."""
     from oasis_hf.kernels.ref import SUMMARY_LAYOUT
 
     b, hq, t, d = query.shape
@@ -272,7 +272,8 @@ def _slow_scores(query, summaries, kind, kv_start, start, scale, memory, num_tok
                 score = float(shares[n])
                 if decay > 0:
                     score = max(score / ((hq // hkv) * t) if ok else 0.0, float(memory[i, h, n]) * decay)
-                    memory[i, h, n] = score
+                    if memory_write:
+                        memory[i, h, n] = score
                 forced = ok and (n < first + sink_blocks or n >= recent_from)
                 out[i, h, n] = float("inf") if forced else (score if ok else -float("inf"))
     return out, memory
@@ -282,22 +283,22 @@ def _slow_scores(query, summaries, kind, kv_start, start, scale, memory, num_tok
 @pytest.mark.parametrize("case", SCORE_CASES, ids=str)
 def test_score_blocks_ref_matches_slow_rules(case, kind):
     query, summaries, kv_start, start, memory, scale = make_score_inputs(case, kind, torch.float32)
-    for decay, offset in ((0.0, 0), (0.5, case[3] - 1)):
-        rules = _rules(case, decay=decay, num_tokens=1 if offset else case[3])
+    for decay, offset, write in ((0.0, 0, True), (0.5, case[3] - 1, True), (0.5, 0, False)):
+        rules = _rules(case, decay=decay, num_tokens=1 if offset else case[3], memory_write=write)
         mem_ref = memory.clone()
         out = score_blocks_ref(query, summaries, None, mem_ref, kv_start, start, scale, kind=kind,
                                source="summaries", start_offset=offset, **rules)
         expected, expected_mem = _slow_scores(query, summaries, kind, kv_start, start, scale, memory,
                                               start_offset=offset, **rules)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-        if decay:
-            torch.testing.assert_close(mem_ref, expected_mem, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(mem_ref, expected_mem, atol=1e-6, rtol=1e-5)
+        assert torch.equal(mem_ref, memory) == (not decay or not write)  # read-only memory: left as it was
 
 
-def _check_scores(case, kind, source, decay, dtype, device, offset=0):
+def _check_scores(case, kind, source, decay, dtype, device, offset=0, memory_write=True):
     query, summaries, kv_start, start, memory, scale = make_score_inputs(case, kind, dtype, device)
     raw = torch.rand(memory.shape, device=device) if source == "raw" else None
-    rules = _rules(case, decay=decay, num_tokens=1 if offset else case[3])
+    rules = _rules(case, decay=decay, num_tokens=1 if offset else case[3], memory_write=memory_write)
     mem_k, mem_r = memory.clone(), memory.clone()
     out = score_blocks(query, summaries, raw, mem_k, kv_start, start, scale, kind=kind, source=source,
                        start_offset=offset, **rules)
@@ -310,6 +311,8 @@ def _check_scores(case, kind, source, decay, dtype, device, offset=0):
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out[finite], ref[finite], atol=tol, rtol=1e-3)
     torch.testing.assert_close(mem_k, mem_r, atol=tol, rtol=1e-3)
+    if not memory_write:
+        assert torch.equal(mem_k, memory) and torch.equal(mem_r, memory)
 
 
 @needs_triton
@@ -320,6 +323,7 @@ def test_score_blocks_kernel_matches_twin(case, kind, dtype):
     dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
     _check_scores(case, kind, "summaries", 0.0, dtype, dev)
     _check_scores(case, kind, "summaries", 0.9, dtype, dev, offset=case[3] - 1)  # a selection job's view
+    _check_scores(case, kind, "summaries", 0.9, dtype, dev, memory_write=False)  # the memory read, not updated
 
 
 @needs_triton
