@@ -71,6 +71,10 @@ METHODS = {
     # synchronously (`OasisConfig.sync_fetch_blocks`): how much of current-query's lead @512 a few blocks buy.
     "lookahead (draft model, sync fetch 2)": dict(selector="lookahead", draft=True, sync_fetch_blocks=2, **SELECTION),
     "lookahead (draft model, sync fetch 8)": dict(selector="lookahead", draft=True, sync_fetch_blocks=8, **SELECTION),
+    # The same correction ranked by the selection memory too (`OasisConfig.sync_fetch_memory`): on CPU prompts it
+    # moved lookahead's own total of blocks, a third of them inside the step, where the plain one moved 3-4x that.
+    "lookahead (draft model, sync fetch 2, memory)": dict(selector="lookahead", draft=True, sync_fetch_blocks=2,
+                                                          sync_fetch_memory=True, **SELECTION),
 }
 
 
