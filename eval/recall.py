@@ -10,7 +10,7 @@ points go) with `OasisConfig(measure_recall=True)`: after every decode step of e
 step's exact attention (all keys read back from host memory) is compared with what was resident. Reports the
 attention mass on resident blocks, the recall of the exact top-S blocks (over all of the forward's queries), whether
 the pass key came out, and the blocks fetched per (KV head, layer-step), with those of the in-step correction
-(`OasisConfig.sync_fetch_blocks`) apart: random K/V fetches the full cap every step, a real model fewer.
+(`OasisConfig.sync_fetch_blocks`) apart, to set against the caps that random K/V fills at every step.
 
 Selectors are compared within a decoding loop (`LOOPS`): plain greedy decoding (one query per forward, where
 ``lookahead`` has no drafts and equals ``previous-query``), HF prompt lookup, and `oasis_hf.speculative_generate`
@@ -161,7 +161,7 @@ def run_row(args, model, tokenizer, draft, budget: int, loop: str, label: str, s
             "oracle top-S recall": sum(topk) / len(topk) if topk else "no decode step",
             found_column(args): f"{correct:g}/{args.trials}", "jobs narrowed": narrowed,
             # Per (KV head, layer-step), the unit of `max_fetch_blocks` and `sync_fetch_blocks`: all fetched blocks,
-            # and those of the in-step correction alone (what a real model moves, against random K/V's full cap).
+            # and those of the in-step correction alone (one sequence: the prompts run at batch 1).
             FETCHED: moved["fetched"] / max(1, moved["steps"]), CORRECTED: moved["corrected"] / max(1, moved["steps"]),
             # Per layer index, averaged over the trials: where the selection loses attention (`report`'s second table).
             "layer mass": {i: sum(v) / len(v) for i, v in sorted(layer_mass.items())},
