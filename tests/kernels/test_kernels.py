@@ -353,6 +353,7 @@ def test_score_blocks_gpu_large(kind):
     many splits per (sequence, head)), Qwen2.5-1.5B's 5 verify queries at 30k in blocks of 16; bf16."""
     for case in [(8, 32, 8, 1, 128, 1030, 32), (1, 32, 8, 1, 128, 4097, 32), (8, 12, 2, 5, 128, 1875, 16)]:
         _check_scores(case, kind, "summaries", 0.9, torch.bfloat16, "cuda")
+        _check_scores(case, kind, "summaries", 0.9, torch.bfloat16, "cuda", memory_write=False)  # sync_fetch_memory
 
 
 def test_package_works_without_triton():
