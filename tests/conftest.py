@@ -18,14 +18,19 @@ def _seed():
 
 def pytest_sessionfinish(session, exitstatus):
     """Nothing the tests started may outlive them: no prefetch worker thread and no child process (Mooncake
-    services, tensor-parallel workers) at the end of the run; a leftover fails the run and is named."""
+    services, tensor-parallel workers) at the end of the run; a leftover fails the run and is named. torch's
+    Inductor compile-worker pool is stopped first: it is torch's, outlives the test that compiled, and a run's
+    verdict must not depend on whether a later test happened to stop it."""
     import gc
+    import sys
     import threading
     import time
 
     import psutil
 
     gc.collect()
+    if "torch._inductor.async_compile" in sys.modules:
+        sys.modules["torch._inductor.async_compile"].shutdown_compile_workers()
     deadline = time.monotonic() + 10  # processes being stopped get a moment to exit
     while True:
         threads = [t.name for t in threading.enumerate() if t.name.startswith("oasis-")]
