@@ -28,9 +28,10 @@ A task that ran out of GPU memory (workers sharing a GPU whose peaks met) is tri
 other tasks, and counts as failed only if that fails too.
 A worker that dies leaves its claimed task undone. ``--resume`` runs both kinds again.
 
-Lengths beyond the model's trained window (``--lengths 65536`` on Qwen2.5's 32k) run with YaRN rope scaling, as the
-model card describes, target and draft alike (`eval._harness.yarn_context`); the rows at shorter lengths run the
-model as trained.
+Lengths beyond the model's trained window run with YaRN rope scaling, as the model card describes, target and draft
+alike (`eval._harness.yarn_context`); the rows at shorter lengths run the model as trained. The factor is the
+smallest power of two that covers the prompt plus the longest answer (160 tokens) and a margin of 64: ``--lengths
+64000`` on Qwen2.5's 32,768 positions takes factor 2 (the model card's setting), ``--lengths 65536`` would take 4.
 
 kvpress presses run through kvpress's own API at the same KV size (`eval.press_baselines`): under kvpress's
 protocols, query-agnostic (the context compressed, the question and the answer cue prefilled after it) or query-aware
