@@ -129,7 +129,6 @@ def test_compiled_whole_step_graphs_verify_drafts_on_cuda():
     """compile_model with speculative verification: forwards of several T (a captured graph each, every T warmed
     up twice before its capture, so no capture compiles) give the tokens of the uncompiled whole-step path."""
     import torch._dynamo
-    from torch._inductor.async_compile import shutdown_compile_workers
 
     torch._dynamo.reset()
     target = tiny_model("llama", layers=2, attn="oasis", device="cuda")
@@ -146,7 +145,6 @@ def test_compiled_whole_step_graphs_verify_drafts_on_cuda():
                     assert cache.stats.graph_replays > 0
     finally:
         torch._dynamo.reset()
-        shutdown_compile_workers()
     assert torch.equal(outs[0], outs[1])
 
 
@@ -216,10 +214,6 @@ def test_compiled_model_in_the_whole_step_path_decodes_the_same_tokens(device):
     if device == "cuda":
         assert stats["graph_replays"] > 0
     torch._dynamo.reset()
-    # Inductor's compile workers are torch's (shut down at interpreter exit); stop them now for the leak check.
-    from torch._inductor.async_compile import shutdown_compile_workers
-
-    shutdown_compile_workers()
 
 
 @pytest.mark.gpu
@@ -228,7 +222,6 @@ def test_a_later_compiled_cache_of_a_settled_shape_warms_up_once():
     dynamic) before its capture; the next cache of the same shape (the next generate call) needs one eager call,
     since that call compiles nothing, and decodes the same tokens."""
     import torch._dynamo
-    from torch._inductor.async_compile import shutdown_compile_workers
 
     torch._dynamo.reset()
     model = tiny_model("llama", attn="oasis", device="cuda")
@@ -242,7 +235,6 @@ def test_a_later_compiled_cache_of_a_settled_shape_warms_up_once():
                 eager.append((stats.decode_layer_steps - stats.graph_replays) // len(cache.oasis_layers))
     finally:
         torch._dynamo.reset()
-        shutdown_compile_workers()
     assert eager == [2, 1, 1]
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 

@@ -557,7 +557,6 @@ def test_floor_bench_compiled_rows_carry_their_label_and_logit_check(tmp_path, m
     import sys
 
     import torch._dynamo
-    from torch._inductor.async_compile import shutdown_compile_workers
 
     from eval import bench_floor
 
@@ -570,7 +569,6 @@ def test_floor_bench_compiled_rows_carry_their_label_and_logit_check(tmp_path, m
         bench_floor.main()
     finally:
         torch._dynamo.reset()
-        shutdown_compile_workers()  # torch's workers (they end with the interpreter); stopped for the leak check
     rows = {r["method"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
     dense = rows["dense graphed (sdpa, torch.compile)"]
     oasis = rows["OasisKV static @256 (whole-step graph, torch.compile)"]
@@ -776,7 +774,6 @@ def test_dense_graphed_generate_compiled_gives_the_same_tokens():
     Inductor on the CPU) decodes the tokens of the eager one."""
     import torch
     import torch._dynamo
-    from torch._inductor.async_compile import shutdown_compile_workers
 
     from eval.dense_baselines import dense_graphed_generate
     from tests._factories import tiny_model
@@ -789,7 +786,6 @@ def test_dense_graphed_generate_compiled_gives_the_same_tokens():
         out, _ = dense_graphed_generate(model, ids, mask, max_new_tokens=6, compiled=True)
     finally:
         torch._dynamo.reset()
-        shutdown_compile_workers()  # torch's workers (they end with the interpreter); stopped for the leak check
     assert torch.equal(out, ref)
 
 
@@ -800,7 +796,6 @@ def test_dense_graphed_generate_compiled_reuses_its_compilation_at_one_capacity(
     import torch
     import torch._dynamo
     from torch._dynamo.utils import counters
-    from torch._inductor.async_compile import shutdown_compile_workers
 
     from eval.dense_baselines import dense_graphed_generate
     from tests._factories import tiny_model
@@ -819,7 +814,6 @@ def test_dense_graphed_generate_compiled_reuses_its_compilation_at_one_capacity(
             dense_graphed_generate(model, ids, mask, max_new_tokens=40, compiled=True, capacity=100)
     finally:
         torch._dynamo.reset()
-        shutdown_compile_workers()
 
 
 def test_accuracy_rows_count_every_gpu_byte_of_their_method(monkeypatch):
