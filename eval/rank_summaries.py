@@ -1,0 +1,176 @@
+"""How well block scoring rules rank a real model's blocks, offline: the library's summaries against keys quantized
+per token inside each block's range.
+
+    python -m eval.rank_summaries --model qwen2.5-coder-0.5b-instruct --tasks recall_list niah_multivalue vt \
+        --context 4096 --samples 2 --new-tokens 24 --device cpu --out eval/results/rank_summaries_qwen0.5b_4k
+
+The model runs once over each suite prompt and its greedy continuation; an attention function registered for that
+forward (`AttentionInterface`) receives every layer's post-RoPE queries and keys. For each generated position, layer
+and KV head, the exact attention of the position's queries (a GQA group's rows summed) per block of `--block-size`
+tokens is the oracle: its top `--selected` blocks among the choosable ones (after `--sink-blocks`, before the
+`--recent-blocks` that every policy keeps). Each rule scores the same blocks from what it would keep on the GPU. For
+each rule the table gives its top-S recall (the share of the oracle's blocks it picks) and the exact mass its picks
+hold, as a share of the mass of the oracle's picks. One position's queries score, as in plain decoding; no cache,
+no selection memory, no transfers: this isolates the ranking.
+
+Rules (GPU bytes per key in brackets, at blocks of 16 and 16-bit keys):
+- the library's block summaries, scored by its own twin (`score_blocks_ref`): ``mean`` (1/16), ``minmax``
+  (Quest's bounds, 2/16), ``mean+minmax`` (3/16);
+- ``minmax + b-bit keys`` ((2 + b)/16): every key quantized to ``b`` bits per channel inside its block's [lo, hi]
+  (the bounds summary as the range, as KIVI quantizes keys per channel), each token's logit from the dequantized
+  key, and a block's score the softmax share of its tokens, summed over the group's rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+
+from eval._common import code_identity, environment, markdown_table, write_results
+from eval.tasks import TASKS
+from eval.tasks.ruler import generate as task_samples
+from oasis_hf import models
+from oasis_hf.kernels.ref import SUMMARY_LAYOUT, score_blocks_ref, summarize_blocks
+
+logger = logging.getLogger("eval.rank_summaries")
+
+PROBE = "oasis_rank_probe"  # the attention function's name in transformers' registry, registered by `main`
+
+
+def rule_names(bits: list[int], block_size: int) -> list[str]:
+    """Row labels, each with the GPU bytes per key that the rule keeps (16-bit keys)."""
+    per_block = {"mean": 1, "minmax": 2, "mean+minmax": 3}
+    names = [f"{kind} ({n}/{block_size} of the key bytes)" for kind, n in per_block.items()]
+    return names + [f"minmax + {b}-bit keys ({2 * 16 / block_size + b:g}/16 of the key bytes)" for b in bits]
+
+
+def block_scores(query: torch.Tensor, keys: torch.Tensor, scale: float, block_size: int, sink_blocks: int,
+                 recent_blocks: int, bits: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Exact mass and every rule's scores of the choosable blocks for one position.
+
+    query : (H_kv, G, D) the position's query rows per KV head; keys : (H_kv, N, D), the position last (N - 1).
+    Returns ``(mass, scores)``: mass (H_kv, C) the exact softmax mass per choosable block (rows summed), scores
+    {label: (H_kv, C)} in `rule_names` order; C = complete blocks minus sinks and recent ones (may be <= 0).
+    """
+    num_kv_heads, length, head_dim = keys.shape
+    complete = length // block_size
+    first, last = sink_blocks, complete - recent_blocks
+    q, k = query.float(), keys.float()
+    probs = torch.softmax(torch.einsum("hgd,hnd->hgn", q, k) * scale, dim=-1)
+    mass = probs[..., : complete * block_size].reshape(num_kv_heads, -1, complete, block_size).sum((1, 3))
+    blocks = k[:, : complete * block_size].reshape(1, num_kv_heads, complete, block_size, head_dim)
+    ok = torch.ones(1, 1, complete, block_size, dtype=torch.bool)
+    names = rule_names(bits, block_size)
+    scores = {}
+    for kind, name in zip(SUMMARY_LAYOUT, names[: len(SUMMARY_LAYOUT)], strict=True):
+        # The view ends after the last complete block, so none of them is forced as a recent block.
+        summaries = summarize_blocks(kind, blocks, ok)
+        scores[name] = score_blocks_ref(
+            query.reshape(1, num_kv_heads * q.shape[1], 1, head_dim), summaries, None, None,
+            torch.zeros(1, dtype=torch.long), torch.tensor(complete * block_size), scale, kind=kind,
+            source="summaries", num_tokens=1, block_size=block_size, sink_blocks=0, recent_blocks=0,
+        )[0]  # fmt: skip
+    lo, hi = blocks[0].amin(2, keepdim=True), blocks[0].amax(2, keepdim=True)
+    width = (hi - lo).clamp_min(torch.finfo(torch.float32).tiny)
+    for b, name in zip(bits, names[len(SUMMARY_LAYOUT) :], strict=True):
+        levels = 2**b - 1
+        dequantized = lo + ((blocks[0] - lo) / width * levels).round() / levels * width
+        logits = torch.einsum("hgd,hcbd->hgcb", q, dequantized) * scale
+        shares = torch.softmax(logits.reshape(num_kv_heads, q.shape[1], -1), dim=-1)
+        scores[name] = shares.reshape(num_kv_heads, q.shape[1], complete, block_size).sum((1, 3))
+    return mass[:, first:last], {name: s[:, first:last] for name, s in scores.items()}
+
+
+def quality(mass: torch.Tensor, score: torch.Tensor, selected: int) -> tuple[float, float]:
+    """(top-S recall, mass share) of `score`'s top `selected` blocks against the exact top blocks of `mass` (both
+    (H_kv, C)), averaged over the heads."""
+    oracle = mass.topk(selected, dim=-1).indices
+    picked = score.topk(selected, dim=-1).indices
+    recall = (picked[..., :, None] == oracle[..., None, :]).any(-1).float().mean(-1)
+    share = mass.gather(-1, picked).sum(-1) / mass.gather(-1, oracle).sum(-1).clamp_min(1e-30)
+    return recall.mean().item(), share.mean().item()
+
+
+class Probe:
+    """The attention function of the measured forward: SDPA's output, and the rules' quality at every position
+    from ``first`` on, accumulated per rule (``totals[label] = [recall sum, share sum, count]``)."""
+
+    def __init__(self, args):
+        self.args, self.first, self.totals = args, None, {}
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        a = self.args
+        num_kv_heads = key.shape[1]
+        for pos in range(self.first, query.shape[2]):
+            rows = query[0, :, pos].reshape(num_kv_heads, -1, query.shape[-1])
+            mass, scores = block_scores(rows, key[0, :, : pos + 1], module.scaling, a.block_size, a.sink_blocks,
+                                        a.recent_blocks, a.bits)
+            if mass.shape[-1] < 2 * a.selected:
+                continue  # too few choosable blocks for the selection to mean anything
+            for name, score in scores.items():
+                total = self.totals.setdefault(name, [0.0, 0.0, 0])
+                recall, share = quality(mass, score, a.selected)
+                total[0] += recall
+                total[1] += share
+                total[2] += 1
+        return out
+
+
+def main() -> None:
+    code_identity()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=models.DEFAULT_MODEL)
+    parser.add_argument("--tasks", nargs="+", default=["recall_list"], choices=sorted(TASKS))
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--samples", type=int, default=2, help="prompts per task")
+    parser.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per prompt: the positions measured")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--selected", type=int, default=14, help="blocks each rule picks (S)")
+    parser.add_argument("--sink-blocks", type=int, default=1)
+    parser.add_argument("--recent-blocks", type=int, default=4)
+    parser.add_argument("--bits", type=int, nargs="*", default=[1, 2], help="key code widths to try")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if args.selected < 1 or args.block_size < 1 or min(args.bits, default=1) < 1:
+        parser.error("--selected, --block-size and --bits take positive integers")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from transformers import AttentionInterface
+
+    model, tokenizer = models.load(args.model, device=args.device)
+    probe = Probe(args)
+    AttentionInterface.register(PROBE, probe)
+    for task in args.tasks:
+        for sample in task_samples(task, args.context, args.samples, tokenizer):
+            ids = tokenizer(sample["input"], return_tensors="pt").input_ids.to(model.device)
+            model.set_attn_implementation("sdpa")
+            with torch.no_grad():
+                out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)
+            probe.first = ids.shape[1]  # the generated positions (the last token's query never attends)
+            model.set_attn_implementation(PROBE)
+            with torch.no_grad():
+                model(out[:, :-1])
+            logger.info("%s: %d prompt tokens, %d generated", task, ids.shape[1], out.shape[1] - ids.shape[1])
+    model.set_attn_implementation("sdpa")
+    rows = [{"rule": name, "positions x layers": n, f"top-{args.selected} recall": round(r / n, 4),
+             "mass of its picks / the oracle's": round(s / n, 4)} for name, (r, s, n) in probe.totals.items()]
+    env = environment()
+    header = (f"Test configuration: {env.get('gpu', 'cpu')}, torch {env['torch']}, transformers "
+              f"{env['transformers']}; model {args.model}, {next(model.parameters()).dtype}; tasks "
+              f"{' '.join(args.tasks)} at about {args.context} tokens, {args.samples} prompt(s) each, "
+              f"{args.new_tokens} greedy tokens; blocks of {args.block_size}, {args.selected} picked after "
+              f"{args.sink_blocks} sink and before {args.recent_blocks} recent block(s); `{env['command']}`\n\n")
+    table = header + markdown_table(rows, list(rows[0]) if rows else ["rule"])
+    print(table)
+    if args.out:
+        write_results(args.out, {"env": env, "args": vars(args) | {"out": str(args.out)}, "rows": rows}, table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""`eval.rank_summaries`: block scoring rules against the exact attention, offline."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+from eval import rank_summaries
+from tests._factories import tiny_model, tiny_tokenizer
+
+
+def scores_for(block_size: int, bits=(2,), sink=0, recent=0, length=64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(2, 3, 8, generator=gen)  # 2 KV heads, groups of 3 rows
+    keys = torch.randn(2, length, 8, generator=gen)
+    return query, keys, rank_summaries.block_scores(query, keys, 0.5, block_size, sink, recent, list(bits))
+
+
+def test_rules_with_exact_keys_rank_as_the_oracle():
+    # Blocks of one token: a block's mean key and its bounds are the key (Quest's bound is then the logit), and its
+    # codes dequantize to it exactly, so every rule's share is the exact mass.
+    _, _, (mass, scores) = scores_for(block_size=1, bits=(3,))
+    for name, score in scores.items():
+        assert rank_summaries.quality(mass, score, 8) == pytest.approx((1.0, 1.0)), name
+    assert rank_summaries.quality(mass, -mass, 8)[0] == 0.0  # the reverse order picks none of the oracle's 8 of 64
+
+
+@pytest.mark.parametrize("recent", [0, 2])
+def test_summary_rules_are_the_softmax_shares_the_library_scores(recent):
+    query, keys, (mass, scores) = scores_for(block_size=4, sink=1, recent=recent, length=66)  # 16 complete blocks
+    blocks = keys[:, :64].reshape(2, 16, 4, 8)
+    mean_logits = torch.einsum("hgd,hcd->hgc", query, blocks.mean(2)) * 0.5
+    lo, hi = blocks.amin(2), blocks.amax(2)
+    bound_logits = (torch.einsum("hgd,hcd->hgc", query.clamp(min=0), hi)
+                    + torch.einsum("hgd,hcd->hgc", query.clamp(max=0), lo)) * 0.5
+    mean_share, bound_share = mean_logits.softmax(-1).sum(1), bound_logits.softmax(-1).sum(1)
+    names = rank_summaries.rule_names([2], 4)
+    choosable = slice(1, 16 - recent)
+    torch.testing.assert_close(scores[names[0]], mean_share[:, choosable])
+    torch.testing.assert_close(scores[names[1]], bound_share[:, choosable])
+    torch.testing.assert_close(scores[names[2]], (0.5 * (mean_share + bound_share))[:, choosable])
+    exact = (torch.einsum("hgd,hnd->hgn", query, keys) * 0.5).softmax(-1)[..., :64].reshape(2, 3, 16, 4).sum((1, 3))
+    torch.testing.assert_close(mass, exact[:, choosable])
+    assert set(scores) == set(names) and mass.shape == (2, 15 - recent)
+
+
+def test_more_bits_rank_closer_to_the_oracle():
+    _, _, (mass, scores) = scores_for(block_size=8, bits=(1, 8), length=512, seed=3)
+    names = rank_summaries.rule_names([1, 8], 8)
+    one_bit, eight_bit = (rank_summaries.quality(mass, scores[n], 8) for n in names[-2:])
+    assert eight_bit[0] > one_bit[0] and eight_bit[1] >= 0.99
+
+
+def test_the_script_measures_a_tiny_model_end_to_end(tmp_path, monkeypatch):
+    path = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    out = tmp_path / "rank"
+    monkeypatch.setattr(sys, "argv", ["rank_summaries", "--model", str(path), "--tasks", "niah_single", "--context",
+                                      "400", "--samples", "1", "--new-tokens", "4", "--block-size", "4",
+                                      "--selected", "3", "--recent-blocks", "2", "--bits", "2", "--device", "cpu",
+                                      "--out", str(out)])
+    rank_summaries.main()
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [r["rule"] for r in rows] == rank_summaries.rule_names([2], 4)
+    for row in rows:  # 3 generated positions x 2 layers
+        assert row["positions x layers"] == 6
+        assert 0.0 <= row["top-3 recall"] <= 1.0 and 0.0 < row["mass of its picks / the oracle's"] <= 1.0 + 1e-6
+    assert "niah_single" in out.with_suffix(".md").read_text()
