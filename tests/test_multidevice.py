@@ -27,9 +27,10 @@ def test_two_process_tensor_parallel_matches_single_process(tmp_path, budget):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     if torch.cuda.device_count() < 2:  # one GPU cannot host two NCCL ranks: run both on the CPU with gloo
         env["CUDA_VISIBLE_DEVICES"] = ""
-    worker = Path(__file__).with_name("_tp_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(worker), str(tmp_path / "model"), str(tmp_path), str(budget)]
+    # The worker runs as a module: run as a script, its folder (tests/) would come first on sys.path and the test
+    # package `tests/kernels` would shadow the `kernels` package that transformers imports when it is installed.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "tests._tp_worker", str(tmp_path / "model"), str(tmp_path), str(budget)]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
     for rank in range(2):
