@@ -33,6 +33,7 @@ from eval._common import code_identity, environment, markdown_table, write_resul
 from eval.tasks import TASKS
 from eval.tasks.ruler import generate as task_samples
 from oasis_hf import models
+from oasis_hf.cache.scoring import block_mass
 from oasis_hf.kernels.ref import SUMMARY_LAYOUT, score_blocks_ref, summarize_blocks
 
 logger = logging.getLogger("eval.rank_summaries")
@@ -42,8 +43,7 @@ PROBE = "oasis_rank_probe"  # the attention function's name in transformers' reg
 
 def rule_names(bits: list[int], block_size: int) -> list[str]:
     """Row labels, each with the GPU bytes per key that the rule keeps (16-bit keys)."""
-    per_block = {"mean": 1, "minmax": 2, "mean+minmax": 3}
-    names = [f"{kind} ({n}/{block_size} of the key bytes)" for kind, n in per_block.items()]
+    names = [f"{kind} ({len(parts)}/{block_size} of the key bytes)" for kind, parts in SUMMARY_LAYOUT.items()]
     return names + [f"minmax + {b}-bit keys ({2 * 16 / block_size + b:g}/16 of the key bytes)" for b in bits]
 
 
@@ -59,8 +59,10 @@ def block_scores(query: torch.Tensor, keys: torch.Tensor, scale: float, block_si
     complete = length // block_size
     first, last = sink_blocks, complete - recent_blocks
     q, k = query.float(), keys.float()
-    probs = torch.softmax(torch.einsum("hgd,hnd->hgn", q, k) * scale, dim=-1)
-    mass = probs[..., : complete * block_size].reshape(num_kv_heads, -1, complete, block_size).sum((1, 3))
+    rows = q.reshape(1, -1, 1, head_dim)  # (B=1, H_q, T=1, D), the group's rows in transformers' head order
+    every = -(-length // block_size)  # the last block may be partial; only complete blocks are ranked
+    mass = block_mass(rows, k[None], scale, torch.tensor([length - 1]), torch.zeros(1, dtype=torch.long),
+                      block_size, every)[0, :, :complete]  # the exact mass per block, as the library's oracle has it
     blocks = k[:, : complete * block_size].reshape(1, num_kv_heads, complete, block_size, head_dim)
     ok = torch.ones(1, 1, complete, block_size, dtype=torch.bool)
     names = rule_names(bits, block_size)
@@ -69,7 +71,7 @@ def block_scores(query: torch.Tensor, keys: torch.Tensor, scale: float, block_si
         # The view ends after the last complete block, so none of them is forced as a recent block.
         summaries = summarize_blocks(kind, blocks, ok)
         scores[name] = score_blocks_ref(
-            query.reshape(1, num_kv_heads * q.shape[1], 1, head_dim), summaries, None, None,
+            rows, summaries, None, None,
             torch.zeros(1, dtype=torch.long), torch.tensor(complete * block_size), scale, kind=kind,
             source="summaries", num_tokens=1, block_size=block_size, sink_blocks=0, recent_blocks=0,
         )[0]  # fmt: skip
