@@ -41,8 +41,9 @@ def merge_rows(*row_lists: list[dict]) -> list[dict]:
             for task in TASKS:
                 if task in row and task not in into:
                     into[task] = row[task]
-                    if task in row.get("seconds", {}):
-                        into.setdefault("seconds", {})[task] = row["seconds"][task]
+                    for field in ("seconds", "batch_size"):
+                        if task in row.get(field, {}):
+                            into.setdefault(field, {})[task] = row[field][task]
             if "average" in row and not any(task in row for task in TASKS):  # a row written without its tasks
                 into.setdefault("average", row["average"])
             for task, error in row.get("errors", {}).items():
@@ -236,8 +237,8 @@ def tables(header: str, rows: list[dict], shapes: dict | None = None) -> str:
     table = header + "Suite average per method and budget (mean over the lengths measured):\n\n"
     table += markdown_table(summarize(rows), ["method", "budget", "average", "lengths"] + [f"@{n}" for n in lengths])
     table += "\n\nPer task, length, method and budget:\n\n"
-    tasks = sorted({k for r in rows for k in r} - {"method", "budget", "length", "average", "seconds", "errors",
-                                                     *MEMORY})
+    tasks = sorted({k for r in rows for k in r} - {"method", "budget", "length", "average", "seconds", "batch_size",
+                                                     "errors", *MEMORY})
     errors = [f"- {r['method']} @{r['budget']}, {r['length']} tokens, {task}: `{error}`"
               for r in rows for task, error in sorted(r.get("errors", {}).items())]
     memory = []

@@ -95,6 +95,10 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true",
                         help="keep the rows already in --out's JSON (same model, draft and samples) and run the rest")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--batch-size", type=int, default=None, metavar="N",
+                        help="requests per generate call for the methods that set none (the preset's otherwise), "
+                             "e.g. 4 to fit dense at 64k beside other workers: its padded prefill mask grows with "
+                             "batch x length^2; recorded per task under 'batch_size'")
     parser.add_argument("--eager", action="store_true",
                         help="decode OasisKV rows with transformers' generate (per-layer graphs) instead of "
                              "whole-model CUDA graphs (`decode_generate`; same tokens, default on CUDA)")
@@ -127,6 +131,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.time_budget is not None and args.time_budget <= 0:
         parser.error(f"--time-budget {args.time_budget}: give a positive number of seconds")
+    if args.batch_size is not None and args.batch_size < 1:
+        parser.error(f"--batch-size {args.batch_size}: give a positive number of requests")
     if args.deadline is None and args.time_budget is not None:
         args.deadline = time.time() + args.time_budget  # the workers of --parts inherit it (worker_argv)
     if args.merge_from or args.relabel or args.report:
@@ -187,7 +193,7 @@ def main() -> None:
                 for method in preset["methods"]:
                     fields = dict(METHODS[method])
                     needs_draft = fields.pop("draft", False)
-                    batch_size = fields.pop("batch_size", preset["batch_size"])
+                    batch_size = fields.pop("batch_size", args.batch_size or preset["batch_size"])
                     for budget in ([None] if fields.get("dense") else preset["budgets"]):
                         label = method + CHAT_SUFFIX if args.chat_template else method
                         key = (label, budget or "full", length)
@@ -241,6 +247,7 @@ def main() -> None:
                             row = _row(rows, key, previous)
                             row[task] = out["results"][name]["score,none"]
                             row.setdefault("seconds", {})[task] = round(seconds, 1)
+                            row.setdefault("batch_size", {})[task] = batch_size
                             if row.get("errors", {}).pop(task, None) is not None and not row["errors"]:
                                 del row["errors"]
                             retry.discard((*key, task))
@@ -273,7 +280,8 @@ def _row(rows: list[dict], key: tuple, previous: dict) -> dict:
     if row is None:
         label, budget, length = key
         row = {"method": label, "budget": budget, "length": length,
-               **{t: v for t, v in previous.get(key, {}).items() if t in TASKS or t == "seconds"}}
+               **{t: v for t, v in previous.get(key, {}).items()
+                  if t in TASKS or t in ("seconds", "batch_size")}}
         rows.append(row)
     return row
 

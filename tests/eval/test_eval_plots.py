@@ -87,11 +87,12 @@ def test_accuracy_parts_claim_each_row_once_and_merge(tmp_path):
     names = list(TASKS)
     first = [{"method": "dense", "budget": "full", "length": 8192, **{t: 10.0 for t in names[:4]}}]
     second = [{"method": "dense", "budget": "full", "length": 8192, **{t: 40.0 for t in names[3:-1]},
-               "seconds": {t: 2.0 for t in names[3:-1]}}]
+               "seconds": {t: 2.0 for t in names[3:-1]}, "batch_size": {t: 4 for t in names[3:-1]}}]
     partial = merge_rows(first, second)
     assert len(partial) == 1 and "average" not in partial[0] and partial[0][names[3]] == 10.0
-    # A task's wall time travels with the score that was kept (none for the first row's tasks).
+    # A task's wall time and batch size travel with the score that was kept (none for the first row's tasks).
     assert partial[0]["seconds"] == {t: 2.0 for t in names[4:-1]}
+    assert partial[0]["batch_size"] == {t: 4 for t in names[4:-1]}
     assert summarize(partial) == []  # a row missing a task is not averaged
     done = merge_rows(partial, [{"method": "dense", "budget": "full", "length": 8192, names[-1]: 100.0}])
     assert done[0]["average"] == pytest.approx((4 * 10.0 + 4 * 40.0 + 100.0) / len(names))
