@@ -57,6 +57,11 @@ METHODS = {
     "lookahead (draft model, mean summaries)": dict(selector="lookahead", draft=True,
                                                     **SELECTION | dict(summary="mean")),
     "lookahead (draft model, minmax)": dict(selector="lookahead", draft=True, **SELECTION | dict(summary="minmax")),
+    # Every key at 2 bits per channel inside its block's bounds, scored token by token (`summary="quantized"`): the
+    # ranking closest to exact attention offline (`eval.rank_summaries`), for more summary bytes and scoring reads.
+    "lookahead (draft model, quantized keys)": dict(selector="lookahead", draft=True,
+                                                    **SELECTION | dict(summary="quantized")),
+    "current-query (quantized keys)": dict(selector="current-query", **SELECTION | dict(summary="quantized")),
     "lookahead (draft model, block 16, no window, no decay)": dict(selector="lookahead", draft=True, block_size=16,
                                                                    prefill_window_tokens=0, score_decay=0.0),
     "lookahead (draft model, block 32)": dict(selector="lookahead", draft=True, **BLOCK_32),
@@ -83,7 +88,7 @@ CHAT_SUFFIX = " [chat template]"
 
 
 DIAGNOSTIC = [m for m in METHODS if m.startswith("lookahead (draft model, ") or m.endswith("(block 32)")
-              or m.endswith("(whole prompt)")]
+              or m.endswith("(whole prompt)") or m.endswith("(quantized keys)")]
 
 
 PRESETS = {

@@ -13,7 +13,7 @@ from eval._common import environment, markdown_table, result_path, write_results
 from eval.plot import plot_accuracy
 from eval.tasks import TASKS
 from oasis_hf.config import OasisConfig, blocks_for
-from oasis_hf.kernels.ref import SUMMARY_LAYOUT
+from oasis_hf.kernels.ref import summary_key_vectors
 
 logger = logging.getLogger("eval.accuracy")
 
@@ -219,7 +219,7 @@ def memory_columns(row: dict, shapes: dict) -> dict:
     if not fields.get("dense") and "press" not in fields:
         default = OasisConfig()  # what a row that sets neither gets (OasisLM passes the library's defaults on)
         block = fields.get("block_size", default.block_size)
-        keys = len(SUMMARY_LAYOUT[fields.get("summary", default.summary)])
+        keys = summary_key_vectors(fields.get("summary", default.summary), block)
         out["summaries MiB/seq"] = (keys * blocks_for(length, block) * per_token / 2) / 2**20
     draft = shapes.get("draft")
     if fields.get("draft") and draft:

@@ -94,7 +94,7 @@ from eval.dense_baselines import (
 from eval.plot import plot_floor
 from oasis_hf.cache.pinned import PinnedPool
 from oasis_hf.config import blocks_for
-from oasis_hf.kernels.ref import SUMMARY_LAYOUT
+from oasis_hf.kernels.ref import summary_key_vectors
 
 logger = logging.getLogger("eval.bench_floor")
 
@@ -334,9 +334,10 @@ def floor_rows(model, budget: int, batch: int, context: int, bandwidth: float,
     `bandwidth`, the summaries those of `OasisConfig(**fields)`. `model` may live on the meta device: only its
     parameter sizes and config are read."""
     config = oasis_hf.OasisConfig(budget_tokens=budget, **(fields or {}))
-    # Per block, layer and KV head, each summary vector (mean key, lower and upper bound) takes one token's key bytes.
-    vectors = len(SUMMARY_LAYOUT[config.summary])
-    summary_bytes = batch * blocks_for(context, config.block_size) * vectors * kv_bytes_per_token(model) // 2
+    # Per block, layer and KV head, each summary vector (mean key, lower and upper bound) takes one token's key bytes,
+    # a quantized summary's codes an eighth of them per token (bf16 keys).
+    vectors = summary_key_vectors(config.summary, config.block_size)
+    summary_bytes = int(batch * blocks_for(context, config.block_size) * vectors * kv_bytes_per_token(model) // 2)
     return [{"method": "floor, dense", "kind": "floor", "batch": batch, "context": context,
              "ms/step (median)": floor_ms(model, batch, context + 1, bandwidth)},
             {"method": f"floor, sparse @{budget} (+ {config.summary} summaries of blocks of {config.block_size} "

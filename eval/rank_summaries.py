@@ -41,9 +41,13 @@ logger = logging.getLogger("eval.rank_summaries")
 PROBE = "oasis_rank_probe"  # the attention function's name in transformers' registry, registered by `main`
 
 
+#: The library's block-level summaries; its ``quantized`` summary is the 2-bit row of the quantized keys below.
+KINDS = [kind for kind in SUMMARY_LAYOUT if kind != "quantized"]
+
+
 def rule_names(bits: list[int], block_size: int) -> list[str]:
     """Row labels, each with the GPU bytes per key that the rule keeps (16-bit keys)."""
-    names = [f"{kind} ({len(parts)}/{block_size} of the key bytes)" for kind, parts in SUMMARY_LAYOUT.items()]
+    names = [f"{kind} ({len(SUMMARY_LAYOUT[kind])}/{block_size} of the key bytes)" for kind in KINDS]
     return names + [f"minmax + {b}-bit keys ({2 * 16 / block_size + b:g}/16 of the key bytes)" for b in bits]
 
 
@@ -67,7 +71,7 @@ def block_scores(query: torch.Tensor, keys: torch.Tensor, scale: float, block_si
     ok = torch.ones(1, 1, complete, block_size, dtype=torch.bool)
     names = rule_names(bits, block_size)
     scores = {}
-    for kind, name in zip(SUMMARY_LAYOUT, names[: len(SUMMARY_LAYOUT)], strict=True):
+    for kind, name in zip(KINDS, names[: len(KINDS)], strict=True):
         # The view ends after the last complete block, so none of them is forced as a recent block.
         summaries = summarize_blocks(kind, blocks, ok)
         scores[name] = score_blocks_ref(
@@ -77,7 +81,7 @@ def block_scores(query: torch.Tensor, keys: torch.Tensor, scale: float, block_si
         )[0]  # fmt: skip
     lo, hi = blocks[0].amin(2, keepdim=True), blocks[0].amax(2, keepdim=True)
     width = (hi - lo).clamp_min(torch.finfo(torch.float32).tiny)
-    for b, name in zip(bits, names[len(SUMMARY_LAYOUT) :], strict=True):
+    for b, name in zip(bits, names[len(KINDS) :], strict=True):
         levels = 2**b - 1
         dequantized = lo + ((blocks[0] - lo) / width * levels).round() / levels * width
         logits = torch.einsum("hgd,hcbd->hgcb", q, dequantized) * scale

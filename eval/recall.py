@@ -49,6 +49,8 @@ SELECTORS = [  # (label, selector, other OasisConfig fields)
     ("current-query, minmax summaries", "current-query", {"summary": "minmax"}),
     ("lookahead, minmax summaries", "lookahead", {"summary": "minmax"}),
     ("lookahead, mean+minmax summaries", "lookahead", {"summary": "mean+minmax"}),
+    ("current-query, quantized keys", "current-query", {"summary": "quantized"}),
+    ("lookahead, quantized keys", "lookahead", {"summary": "quantized"}),
     ("oracle (exact, synchronous)", "oracle", {}),
 ]
 FETCHED = "fetched blocks/(head, layer-step)"

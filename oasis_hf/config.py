@@ -18,7 +18,7 @@ COMPILE_MODES = (None, "default", "max-autotune-no-cudagraphs")
 def _is_int(value: Any) -> bool:
     """An int that is not a bool (``True`` is an ``int`` to Python, never a size here)."""
     return isinstance(value, int) and not isinstance(value, bool)
-SUMMARY_KINDS = ("mean", "minmax", "mean+minmax")
+SUMMARY_KINDS = ("mean", "minmax", "mean+minmax", "quantized")
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -75,7 +75,9 @@ class OasisConfig:
         Block summary kept on the GPU for scoring: ``"mean"`` (mean key per block and KV head, 1/block_size of
         the keys), ``"minmax"`` (Quest's per-channel bounds, 2/block_size of the keys) or ``"mean+minmax"`` (both,
         3/block_size; a block's score is the average of the two: the bounds rank blocks with one matching key, the
-        mean blocks with many).
+        mean blocks with many) or ``"quantized"`` (the bounds and every key at 2 bits per channel inside them,
+        scored token by token: 1/8 + 2/block_size of the keys; ranks blocks closest to exact attention, reads the
+        most per scoring; needs a head dim divisible by 4). See `oasis_hf.cache.summaries`.
     max_fetch_blocks : int | None
         Cap on selector-driven block fetches per (sequence, KV head, layer) and step; the best-scoring misses go
         first and the least important resident blocks are evicted. Blocks that must be resident (sinks, recent

@@ -285,7 +285,8 @@ def test_registration_is_explicit():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize(("selector", "summary"), [("current-query", "minmax"), ("lookahead", "mean+minmax")])
+@pytest.mark.parametrize(("selector", "summary"), [("current-query", "minmax"), ("lookahead", "mean+minmax"),
+                                                  ("lookahead", "quantized")])
 def test_triton_backend_inside_generate(selector, summary):
     """The fused decode step (append_tokens, score_blocks, plan_blocks, gather_blocks, sparse attention with its
     merge) on the Triton kernels gives the twins' tokens and fetches under real selection (8 slots), and dense

@@ -121,7 +121,8 @@ class OasisLayer(CacheLayerMixin):
         capacity = max(self.budget_blocks, self.cache.host_capacity_blocks)
         self.table = BlockTable(self.batch_size, self.num_kv_heads, self.budget_blocks, capacity, self.device)
         self.summaries = BlockSummaries(
-            cfg.summary, self.batch_size, self.num_kv_heads, capacity, self.head_dim, self.dtype, self.device
+            cfg.summary, self.batch_size, self.num_kv_heads, capacity, self.head_dim, self.dtype, self.device,
+            cfg.block_size,
         )
         # Selection memory (`OasisConfig.score_decay`): every block's remembered score, (B, H_kv, NB_cap) float32.
         self.score_memory = torch.zeros(self.batch_size, self.num_kv_heads, capacity, device=self.device)
@@ -211,7 +212,7 @@ class OasisLayer(CacheLayerMixin):
         self.kv_start = None
         if self.is_initialized:
             self.table.reset()
-            self.summaries.data.zero_()
+            self.summaries.zero_()
             self.score_memory.zero_()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -230,6 +231,11 @@ class OasisLayer(CacheLayerMixin):
         self.table.slot_block.copy_(state["slot_block"].to(device))
         self.table.slot_score.copy_(state["slot_score"].to(device))
         self.summaries.data[..., :capacity, :] = state["summaries"].to(device)
+        if self.summaries.codes is not None:
+            if "codes" not in state:
+                raise ValueError("the published prefill has no key codes but this cache's summary is 'quantized'; "
+                                 "publish it with the same OasisConfig.summary")
+            self.summaries.codes[:, :, :capacity] = state["codes"].to(device)
         if "score_memory" in state:  # publications before the selection memory have none: it starts empty
             self.score_memory[..., :capacity] = state["score_memory"].to(device)
         self.kv_start = state["kv_start"].to(device)
@@ -379,7 +385,7 @@ class OasisLayer(CacheLayerMixin):
         (append_tokens if kernels else append_tokens_ref)(
             key, value, start, self.pool_k, self.pool_v, self.table.slot_block, self.table.slot_score,
             self.table.block_slot, self.summaries.data, self.kv_start, kind=self.summaries.kind,
-            sink_blocks=cfg.sink_blocks, recent_blocks=cfg.recent_blocks,
+            sink_blocks=cfg.sink_blocks, recent_blocks=cfg.recent_blocks, codes=self.summaries.codes,
         )  # fmt: skip
         # Selection, delta, fetch (synchronous selectors; asynchronous ones did it after the previous step, and with
         # `sync_fetch_blocks` correct it here with the step's own queries, a few blocks at most).

@@ -49,7 +49,7 @@ def block_scores(layer: OasisLayer, query: torch.Tensor, scale: float, start: to
         num_tokens=query.shape[2] if num_tokens is None else num_tokens, block_size=cfg.block_size,
         sink_blocks=cfg.sink_blocks, recent_blocks=cfg.recent_blocks,
         decay=cfg.score_decay if selector.window_and_memory and memory != "off" else 0.0, start_offset=start_offset,
-        memory_write=memory == "update",
+        memory_write=memory == "update", codes=layer.summaries.codes,
     )  # fmt: skip
 
 

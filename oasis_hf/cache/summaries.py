@@ -12,6 +12,13 @@ matches (a fact to retrieve); a mean ranks the blocks where many keys match (wor
 keeps both and lets each propose, a block's score being the average of its two softmax shares: there it scored 1.8
 and 2.1 above mean keys at budget 512 and within 0.15 at 2048, for three times the bytes and twice the scoring work.
 
+``"quantized"`` keeps the bounds and every key at 2 bits per channel inside them (KIVI's per-channel key
+quantization, with the block as the group), and scores tokens instead of blocks: a row's softmax runs over every
+real token's logit against its dequantized key, and a block's share is its tokens' shares. Offline, on the suite's
+prompts (``eval.rank_summaries``: Qwen2.5-Coder-0.5B at 4k, 1.5B at 8k, blocks of 16) it picked 0.82-0.83 of the
+exact attention's top blocks where ``mean+minmax`` picked 0.71. Its codes take ``BS * D / 4`` bytes per block (2/16
+of the keys, 3/16 with the bounds at blocks of 32), and scoring reads all of them twice per job.
+
 Scoring reads `BlockSummaries.data` directly (`oasis_hf.kernels.score_blocks`); the decode step's new blocks are
 summarised inside `oasis_hf.kernels.append_tokens`.
 """
@@ -20,25 +27,39 @@ from __future__ import annotations
 
 import torch
 
-from oasis_hf.kernels.ref import SUMMARY_LAYOUT, summarize_blocks
+from oasis_hf.kernels.ref import CODES_PER_BYTE, SUMMARY_LAYOUT, quantize_blocks, summarize_blocks
 
 
 class BlockSummaries:
     """Per-block key summaries of one layer: `data` is (n, B, H_kv, NB_cap, D) in the layout `SUMMARY_LAYOUT` gives
-    for `kind`: n = 1 (``mean``: the mean key), 2 (``minmax``: per-channel lo, hi) or 3 (``mean+minmax``: lo, hi,
-    mean)."""
+    for `kind`: n = 1 (``mean``: the mean key), 2 (``minmax`` and ``quantized``: per-channel lo, hi) or 3
+    (``mean+minmax``: lo, hi, mean). `codes` is (B, H_kv, NB_cap, BS, D // CODES_PER_BYTE) uint8 for ``quantized``
+    (`oasis_hf.kernels.ref.quantize_blocks`), else None."""
 
     def __init__(self, kind: str, batch_size: int, num_kv_heads: int, capacity_blocks: int, head_dim: int,
-                 dtype: torch.dtype, device) -> None:
+                 dtype: torch.dtype, device, block_size: int) -> None:
         if kind not in SUMMARY_LAYOUT:
             raise ValueError(f"unknown block summary {kind!r}; choose one of {list(SUMMARY_LAYOUT)}")
         self.kind = kind
         count = len(SUMMARY_LAYOUT[kind])
         self.data = torch.zeros(count, batch_size, num_kv_heads, capacity_blocks, head_dim, dtype=dtype, device=device)
+        self.codes = None
+        if kind == "quantized":
+            if head_dim % CODES_PER_BYTE:
+                raise ValueError(f"the 'quantized' block summary packs {CODES_PER_BYTE} channels per byte; head_dim "
+                                 f"{head_dim} is not a multiple of {CODES_PER_BYTE}: use summary='mean+minmax'")
+            self.codes = torch.zeros(batch_size, num_kv_heads, capacity_blocks, block_size,
+                                     head_dim // CODES_PER_BYTE, dtype=torch.uint8, device=device)
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        codes = 0 if self.codes is None else self.codes.numel()
+        return self.data.numel() * self.data.element_size() + codes
+
+    def zero_(self) -> None:
+        self.data.zero_()
+        if self.codes is not None:
+            self.codes.zero_()
 
     @property
     def capacity_blocks(self) -> int:
@@ -47,6 +68,10 @@ class BlockSummaries:
     def grow(self, capacity_blocks: int) -> None:
         if capacity_blocks <= self.capacity_blocks:
             return
+        if self.codes is not None:
+            codes = self.codes.new_zeros(*self.codes.shape[:2], capacity_blocks, *self.codes.shape[3:])
+            codes[:, :, : self.capacity_blocks] = self.codes
+            self.codes = codes
         grown = self.data.new_zeros(*self.data.shape[:3], capacity_blocks, self.data.shape[4])
         grown[:, :, :, : self.capacity_blocks] = self.data
         self.data = grown
@@ -58,4 +83,7 @@ class BlockSummaries:
         blocks_k : (B, H_kv, n, BS, D) keys; token_ok : (B, 1, n, BS) bool, False for padding / unwritten tokens.
         Fixed shapes and no host synchronisation.
         """
-        self.data.index_copy_(3, block_ids, summarize_blocks(self.kind, blocks_k, token_ok))
+        summaries = summarize_blocks(self.kind, blocks_k, token_ok).to(self.data.dtype)
+        self.data.index_copy_(3, block_ids, summaries)
+        if self.codes is not None:
+            self.codes.index_copy_(2, block_ids, quantize_blocks(blocks_k, token_ok, summaries))

@@ -8,7 +8,8 @@ the step needs before attention, one program per (sequence, KV head):
    the touched blocks are pinned), evicting what those slots held from the table;
 2. the tokens' K and V go into their slots;
 3. the touched blocks' summaries (mean key, per-channel bounds) are recomputed, from the pool block merged with the
-   new rows in registers (no read-after-write through memory).
+   new rows in registers (no read-after-write through memory), and for a ``quantized`` summary every key code of
+   those blocks against their new bounds.
 
 In PyTorch that is about 60 small kernels (gathers, a top-k, scatters, index arithmetic, a masked mean); inside a
 captured CUDA graph each still costs a few microseconds, which made the bookkeeping around the attention the
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from oasis_hf.kernels.ref import SUMMARY_LAYOUT
+from oasis_hf.kernels.ref import CODE_BITS, CODES_PER_BYTE, SUMMARY_LAYOUT
 
 try:
     import triton
@@ -48,14 +49,15 @@ if triton is not None:
     @triton.jit(do_not_specialize=["num_slots", "stride_slot_row", "stride_block_row", "sink_blocks",
                                    "recent_blocks"])
     def _append_tokens_kernel(
-        K, V, START, POOL_K, POOL_V, SLOT_BLOCK, SLOT_SCORE, BLOCK_SLOT, SUMMARY, KV_START,
+        K, V, START, POOL_K, POOL_V, SLOT_BLOCK, SLOT_SCORE, BLOCK_SLOT, SUMMARY, KV_START, CODES,
         stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
         stride_pb, stride_ph, stride_ps,
-        stride_sn, stride_sb, stride_sh,
+        stride_sn, stride_sb, stride_sh, stride_cb, stride_ch,
         num_slots, stride_slot_row, stride_block_row, sink_blocks, recent_blocks,
         H_KV: tl.constexpr, NUM_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, SP: tl.constexpr, WIDTH: tl.constexpr,
-        MEAN_AT: tl.constexpr, LO_AT: tl.constexpr, HI_AT: tl.constexpr,
+        MEAN_AT: tl.constexpr, LO_AT: tl.constexpr, HI_AT: tl.constexpr, QUANT: tl.constexpr,
+        BITS: tl.constexpr, PER_BYTE: tl.constexpr,
     ):  # fmt: skip
         bh = tl.program_id(0)
         b = bh // H_KV
@@ -142,6 +144,21 @@ if triton is not None:
                 hi = tl.where(any_ok, tl.max(tl.where(ok[:, None], kf, float("-inf")), axis=0), 0.0)
                 _store_summary(SUMMARY, where, stride_sn, dims, live_dims, LO_AT, lo.to(SUMMARY.dtype.element_ty))
                 _store_summary(SUMMARY, where, stride_sn, dims, live_dims, HI_AT, hi.to(SUMMARY.dtype.element_ty))
+                if QUANT:  # every key's codes against the bounds as stored (`quantize_blocks`)
+                    lo_s = lo.to(SUMMARY.dtype.element_ty).to(tl.float32)
+                    width = hi.to(SUMMARY.dtype.element_ty).to(tl.float32) - lo_s
+                    wide = width > 0
+                    levels = (1 << BITS) - 1
+                    scaled = tl.div_rn(kf - lo_s[None, :], tl.where(wide, width, 1.0)[None, :]) * levels
+                    code = tl.minimum(tl.maximum(tl.floor(scaled + 0.5), 0.0), levels * 1.0)
+                    code = tl.where(ok[:, None] & wide[None, :], code, 0.0).to(tl.int32)
+                    packed = tl.sum(tl.reshape(code << (BITS * (dims % PER_BYTE))[None, :],
+                                               (BLOCK_SIZE, BLOCK_D // PER_BYTE, PER_BYTE)), axis=2)
+                    cols = tl.arange(0, BLOCK_D // PER_BYTE)
+                    code_offs = (b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
+                                 + (block * BLOCK_SIZE + rows[:, None]) * (HEAD_DIM // PER_BYTE) + cols[None, :])
+                    code_ok = live_rows[:, None] & (cols < HEAD_DIM // PER_BYTE)[None, :]
+                    tl.store(CODES + code_offs, packed.to(tl.uint8), mask=code_ok)
 
     @triton.jit(do_not_specialize=["first_block", "seg_rows"])
     def _write_tokens_kernel(
@@ -186,6 +203,7 @@ def append_tokens(
     kind: str,
     sink_blocks: int,
     recent_blocks: int,
+    codes: torch.Tensor | None = None,
 ) -> None:
     """Slots, pool rows, table entries and summaries for a forward's ``T`` new tokens, in one launch.
 
@@ -200,6 +218,8 @@ def append_tokens(
     summaries : (n, B, H_kv, NB_cap, D) in the layout of `kind` (`SUMMARY_LAYOUT`), contiguous, updated in place.
     kv_start : (B,) int64 first real position.
     sink_blocks, recent_blocks : the config's geometry (`OasisConfig.sink_blocks`, `.recent_blocks`).
+    codes : (B, H_kv, NB_cap, BS, D // CODES_PER_BYTE) uint8, contiguous: a ``quantized`` summary's key codes
+        (required for it), updated in place.
 
     Same effect as `append_tokens_ref` (table entries identical; summaries up to float32 summation order).
     Enqueued on the current stream; no host synchronisation, capturable.
@@ -222,18 +242,26 @@ def append_tokens(
     layout = SUMMARY_LAYOUT[kind]
     if summaries.shape[:3] != (len(layout), batch, heads) or summaries.shape[-1] != head_dim:
         raise ValueError(f"append_tokens: summaries {tuple(summaries.shape)} are not {kind!r} summaries of this pool")
+    quant = kind == "quantized"
+    if quant and (codes is None or not codes.is_contiguous() or codes.dtype != torch.uint8 or codes.shape != (
+            batch, heads, summaries.shape[3], block_size, head_dim // CODES_PER_BYTE)):
+        raise ValueError(f"append_tokens: a 'quantized' summary needs contiguous uint8 codes of shape (B, H_kv, "
+                         f"NB_cap, BS, D // {CODES_PER_BYTE}), got {None if codes is None else tuple(codes.shape)}")
     width = -(-(num_tokens - 1) // block_size) + 1
     _append_tokens_kernel[(batch * heads,)](
         key, value, start, pool_k, pool_v, slot_block, slot_score, block_slot, summaries, kv_start.to(torch.int64),
+        codes if quant else summaries,
         key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
         pool_k.stride(0), pool_k.stride(1), pool_k.stride(2),
         summaries.stride(0), summaries.stride(1), summaries.stride(2),
+        codes.stride(0) if quant else 0, codes.stride(1) if quant else 0,
         num_slots, slot_block.stride(-2), block_slot.stride(-2), sink_blocks, recent_blocks,
         H_KV=heads, NUM_TOKENS=num_tokens, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, SP=max(2, triton.next_power_of_2(num_slots)), WIDTH=width,
         MEAN_AT=layout.index("mean") if "mean" in layout else -1,
         LO_AT=layout.index("lo") if "lo" in layout else -1,
         HI_AT=layout.index("hi") if "hi" in layout else -1,
+        QUANT=quant, BITS=CODE_BITS, PER_BYTE=CODES_PER_BYTE,
         num_warps=4,
     )  # fmt: skip
 

@@ -13,8 +13,20 @@ _FLT_MAX = torch.finfo(torch.float32).max
 
 #: Block summaries per kind, stacked along the first dim of a summaries tensor (n, B, H_kv, NB_cap, D): Quest's
 #: per-channel bounds lo and hi first, then the mean key. `oasis_hf.cache.summaries.BlockSummaries` stores this
-#: layout; `append_tokens` and `score_blocks` read it.
-SUMMARY_LAYOUT = {"mean": ("mean",), "minmax": ("lo", "hi"), "mean+minmax": ("lo", "hi", "mean")}
+#: layout; `append_tokens` and `score_blocks` read it. ``quantized`` keeps the bounds here and every key's codes
+#: beside them (`quantize_blocks`).
+SUMMARY_LAYOUT = {"mean": ("mean",), "minmax": ("lo", "hi"), "mean+minmax": ("lo", "hi", "mean"),
+                  "quantized": ("lo", "hi")}
+#: Bits per channel of a ``quantized`` summary's key codes; ``8 // CODE_BITS`` channels share a byte.
+CODE_BITS = 2
+CODES_PER_BYTE = 8 // CODE_BITS
+
+
+def summary_key_vectors(kind: str, block_size: int, element_size: int = 2) -> float:
+    """GPU bytes of one block's summary of `kind`, in key vectors (one token's key, `element_size` bytes per
+    channel): the stacked vectors of `SUMMARY_LAYOUT`, plus a ``quantized`` summary's codes."""
+    codes = block_size * CODE_BITS / (8 * element_size) if kind == "quantized" else 0.0
+    return len(SUMMARY_LAYOUT[kind]) + codes
 
 
 def sparse_attention_ref(
@@ -250,6 +262,48 @@ def summarize_blocks(kind: str, blocks_k: torch.Tensor, token_ok: torch.Tensor) 
     return torch.stack([parts[name] for name in SUMMARY_LAYOUT[kind]]).to(blocks_k.dtype)
 
 
+def quantize_blocks(blocks_k: torch.Tensor, token_ok: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """Every key of ``n`` blocks at `CODE_BITS` bits per channel inside its block's bounds, packed.
+
+    blocks_k : (B, H_kv, n, BS, D) keys; token_ok : (B, 1 or H_kv, n, BS) bool; bounds : (2, B, H_kv, n, D) the
+    blocks' lo and hi as stored (`summarize_blocks` of ``"minmax"``). A channel's code is
+    ``floor((k - lo) / (hi - lo) * L + 0.5)`` clamped to ``0 .. L`` (``L = 2**CODE_BITS - 1``; 0 where hi == lo or
+    the token is not real). Returns (B, H_kv, n, BS, D // CODES_PER_BYTE) uint8: channel d in byte
+    ``d // CODES_PER_BYTE`` at bit ``CODE_BITS * (d % CODES_PER_BYTE)``.
+    """
+    levels = 2**CODE_BITS - 1
+    lo, hi = bounds[0].float()[..., None, :], bounds[1].float()[..., None, :]
+    width = hi - lo
+    scaled = torch.where(width > 0, (blocks_k.float() - lo) / torch.where(width > 0, width, 1.0) * levels, 0.0)
+    codes = torch.where(token_ok[..., None], torch.floor(scaled + 0.5).clamp(0, levels), 0).to(torch.int32)
+    shifts = CODE_BITS * torch.arange(CODES_PER_BYTE, device=codes.device, dtype=torch.int32)
+    packed = (codes.unflatten(-1, (-1, CODES_PER_BYTE)) << shifts).sum(-1)
+    return packed.to(torch.uint8)
+
+
+def dequantize_blocks(codes: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """Keys back from `quantize_blocks`' codes (..., n, BS, D // CODES_PER_BYTE) and bounds (2, ..., n, D):
+    ``lo + code * (hi - lo) / L`` in float32, (..., n, BS, D)."""
+    shifts = CODE_BITS * torch.arange(CODES_PER_BYTE, device=codes.device, dtype=torch.int32)
+    code = ((codes.to(torch.int32)[..., None] >> shifts) & (2**CODE_BITS - 1)).flatten(-2).float()
+    lo, hi = bounds[0].float()[..., None, :], bounds[1].float()[..., None, :]
+    return lo + code * ((hi - lo) / (2**CODE_BITS - 1))
+
+
+def _token_shares(query: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, ok: torch.Tensor,
+                  token_ok: torch.Tensor, scale: float) -> torch.Tensor:
+    """(B, H_kv, NB) float32 of a ``quantized`` summary: each query row's softmax over the real tokens of the `ok`
+    blocks of its logits against the dequantized keys, summed per block and over the G * T rows."""
+    batch, _, _, head_dim = query.shape
+    num_kv_heads, capacity = summaries.shape[2], summaries.shape[3]
+    q = query.float().reshape(batch, num_kv_heads, -1, head_dim)
+    keys = dequantize_blocks(codes, summaries).flatten(2, 3)  # (B, H_kv, NB * BS, D)
+    allowed = (ok[..., None] & token_ok).flatten(-2)  # (B, 1, NB * BS)
+    logits = torch.einsum("bhmd,bhnd->bhmn", q, keys) * scale
+    shares = torch.softmax(logits.masked_fill(~allowed[:, :, None], -_INF), dim=-1).nan_to_num(0.0).sum(2)
+    return shares.unflatten(-1, (capacity, -1)).sum(-1)
+
+
 def _summary_shares(query: torch.Tensor, summaries: torch.Tensor, kind: str, ok: torch.Tensor, scale: float):
     """(B, H_kv, NB) float32: each query row's softmax over the `ok` blocks of its block logits (mean key: the mean
     logit; bounds: Quest's upper bound ``relu(q) . hi + min(q, 0) . lo``), summed over the G * T rows of a group;
@@ -288,6 +342,7 @@ def score_blocks_ref(
     decay: float = 0.0,
     start_offset: int = 0,
     memory_write: bool = True,
+    codes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every block's selection score with the rules every selector shares (twin of `score_blocks`).
 
@@ -308,6 +363,10 @@ def score_blocks_ref(
         rows), ``"recency"`` (the block index: StreamingLLM) or ``"raw"``.
     block_size, sink_blocks, recent_blocks : the config's geometry.
     decay : selection memory: a choosable block's score becomes ``max(score / (G * T), decay * memory)``.
+    codes : (B, H_kv, NB_cap, BS, D // CODES_PER_BYTE) uint8, the key codes of a ``quantized`` summary
+        (`quantize_blocks`; required for it, else unused): a row's softmax then runs over the real tokens of the
+        view (``kv_start <= position < p0 + num_tokens``) of the choosable blocks, each token's logit against its
+        dequantized key, and a block's share is its tokens' shares.
 
     Returns
     -------
@@ -320,7 +379,13 @@ def score_blocks_ref(
     ids = torch.arange(capacity, device=summaries.device).view(1, 1, -1)
     first = (kv_start // block_size).view(-1, 1, 1)
     ok = (ids >= first) & (ids < num_blocks)  # (B, 1, NB_cap)
-    if source == "summaries":
+    if source == "summaries" and kind == "quantized":
+        if codes is None:
+            raise ValueError("score_blocks: a 'quantized' summary needs its key codes (codes=...)")
+        pos = ids[..., None] * block_size + torch.arange(block_size, device=ids.device)  # (1, 1, NB_cap, BS)
+        token_ok = (pos >= kv_start.view(-1, 1, 1, 1)) & (pos < view_start + num_tokens)
+        score = _token_shares(query, summaries, codes, ok, token_ok, scale)
+    elif source == "summaries":
         score = _summary_shares(query, summaries, kind, ok, scale)
     elif source == "recency":
         score = ids.float().expand(batch, num_kv_heads, -1)
@@ -354,6 +419,7 @@ def append_tokens_ref(
     kind: str,
     sink_blocks: int,
     recent_blocks: int,
+    codes: torch.Tensor | None = None,
 ) -> None:
     """The bookkeeping of a decode / verification forward's ``T`` new tokens (twin of `append_tokens`).
 
@@ -362,7 +428,8 @@ def append_tokens_ref(
        block (the last `recent_blocks` of the sequence) or a block the new tokens touch; the evicted block leaves
        the table, the new one enters with score ``+inf``.
     2. The tokens' K/V are written into their slots.
-    3. The summaries of the touched blocks are recomputed from the pool (`summarize_blocks`).
+    3. The summaries of the touched blocks are recomputed from the pool (`summarize_blocks`), and for a
+       ``quantized`` summary every key code of those blocks against their new bounds (`quantize_blocks`).
 
     Parameters
     ----------
@@ -371,7 +438,11 @@ def append_tokens_ref(
         + 1): the residency table (`oasis_hf.cache.block_table.BlockTable`), updated in place.
     summaries : (n, B, H_kv, NB_cap, D) in the layout of `kind`, updated in place. kv_start : (B,) first real position.
     sink_blocks, recent_blocks : the config's geometry.
+    codes : (B, H_kv, NB_cap, BS, D // CODES_PER_BYTE) uint8 key codes of a ``quantized`` summary (required for
+        it), updated in place.
     """
+    if kind == "quantized" and codes is None:
+        raise ValueError("append_tokens: a 'quantized' summary needs its key codes (codes=...)")
     batch, heads, num_tokens, _ = key.shape
     num_slots, block_size = slot_block.shape[-1] - 1, pool_k.shape[3]
     dev = key.device
@@ -401,7 +472,10 @@ def append_tokens_ref(
     token_pos = (blocks[:, None] * block_size + torch.arange(block_size, device=dev)).view(1, 1, -1, block_size)
     token_ok = (token_pos < end) & (token_pos >= kv_start.view(-1, 1, 1, 1))
     touched_k = pool_k[b_idx, h_idx, block_slot.gather(-1, touched)]  # (B, H_kv, n, BS, D)
-    summaries.index_copy_(3, blocks, summarize_blocks(kind, touched_k, token_ok))
+    fresh_summaries = summarize_blocks(kind, touched_k, token_ok).to(summaries.dtype)
+    summaries.index_copy_(3, blocks, fresh_summaries)
+    if kind == "quantized":
+        codes.index_copy_(2, blocks, quantize_blocks(touched_k, token_ok, fresh_summaries))
 
 
 def write_tokens_ref(

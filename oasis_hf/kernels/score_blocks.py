@@ -5,7 +5,10 @@ and the selection memory.
 For each (sequence, KV head) the ``G * T`` query rows of the GQA group form one ``(BLOCK_M, D)`` tile. A row's
 score for a block is its softmax over the choosable blocks of the block logits: the mean key's logit, or Quest's
 upper bound ``relu(q) . hi + min(q, 0) . lo`` (one bound, two dot products), or the average of both softmax shares
-(``mean+minmax``). The rows are summed, so the group shares one selection.
+(``mean+minmax``). The rows are summed, so the group shares one selection. A ``quantized`` summary scores tokens:
+a row's softmax runs over every real token of the choosable blocks, its logit against the key dequantized from
+its codes and its block's bounds, and a block's share is the sum of its tokens'; a tile then holds ``STEP`` blocks
+of ``BS`` tokens.
 
 The blocks of one (sequence, KV head) are split over several programs, so that a batch-1 decode at 128k tokens
 (4,097 blocks, 8 KV heads) still spreads over the GPU: the first launch (``_stats``) computes each split's running
@@ -25,7 +28,7 @@ import torch
 
 from oasis_hf.kernels._tiles import load_query_tile
 from oasis_hf.kernels.backend import INTERPRET
-from oasis_hf.kernels.ref import SUMMARY_LAYOUT
+from oasis_hf.kernels.ref import CODE_BITS, CODES_PER_BYTE, SUMMARY_LAYOUT
 
 try:
     import triton
@@ -68,6 +71,29 @@ if triton is not None:
         return out * scale
 
     @triton.jit
+    def _token_logits(q, row_ok, S, CODES, base, code_base, n0, hi_blk, first, num_blocks, kv0, view_end, dims, dim_ok,
+                      stride_sn, scale, LO_AT: tl.constexpr, HI_AT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, STEP: tl.constexpr, BITS: tl.constexpr, PER_BYTE: tl.constexpr,
+                      DOT_FP32: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+        """(BLOCK_M, STEP * BS) logits of the tokens of blocks ``n0 .. n0 + STEP - 1`` against their dequantized
+        keys (``-inf`` where not allowed), and the allowed mask: real tokens of the view in choosable blocks."""
+        tok = tl.arange(0, STEP * BLOCK_SIZE)
+        blk = n0 + tok // BLOCK_SIZE
+        pos = blk * BLOCK_SIZE + tok % BLOCK_SIZE
+        tok_ok = (blk < hi_blk) & (blk >= first) & (blk < num_blocks) & (pos >= kv0) & (pos < view_end)
+        mask = tok_ok[:, None] & dim_ok[None, :]
+        offs = base + blk[:, None] * HEAD_DIM + dims[None, :]
+        lo = tl.load(S + LO_AT * stride_sn + offs, mask=mask, other=0.0).to(tl.float32)
+        hi = tl.load(S + HI_AT * stride_sn + offs, mask=mask, other=0.0).to(tl.float32)
+        byte = tl.load(CODES + code_base + pos[:, None] * (HEAD_DIM // PER_BYTE) + (dims // PER_BYTE)[None, :],
+                       mask=mask, other=0)
+        code = (byte.to(tl.int32) >> (BITS * (dims % PER_BYTE))[None, :]) & ((1 << BITS) - 1)
+        k = lo + code.to(tl.float32) * ((hi - lo) / ((1 << BITS) - 1))
+        allowed = row_ok[:, None] & tok_ok[None, :]
+        x = _dot(q, k if DOT_FP32 else k.to(q.dtype), IEEE) * scale
+        return tl.where(allowed, x, float("-inf")), allowed
+
+    @triton.jit
     def _view(START, KV_START, b, START_OFFSET: tl.constexpr, NUM_TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
         """(first position of the view, blocks in the view, first real block) of sequence `b`."""
         view_start = tl.load(START).to(tl.int64) + START_OFFSET
@@ -84,14 +110,15 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["num_cap", "per_split"])
     def _stats_kernel(
-        Q, S, KV_START, START, M_PART, L_PART,
+        Q, S, KV_START, START, M_PART, L_PART, CODES,
         num_cap, per_split, scale,
-        stride_qb, stride_qh, stride_qt, stride_sn, stride_sb, stride_sh,
+        stride_qb, stride_qh, stride_qt, stride_sn, stride_sb, stride_sh, stride_cb, stride_ch,
         H_KV: tl.constexpr, GROUP: tl.constexpr, NUM_ROWS_T: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
         CHANNELS: tl.constexpr, FIRST_BOUND: tl.constexpr, MEAN_AT: tl.constexpr, LO_AT: tl.constexpr,
         HI_AT: tl.constexpr, START_OFFSET: tl.constexpr, NUM_TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+        DOT_FP32: tl.constexpr, IEEE: tl.constexpr, TOKENS: tl.constexpr, STEP: tl.constexpr, BITS: tl.constexpr,
+        PER_BYTE: tl.constexpr,
     ):  # fmt: skip
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -99,20 +126,28 @@ if triton is not None:
         h = bh % H_KV
         q, q_pos, q_neg, row_ok, dims, dim_ok = _query_tiles(Q, b, h, stride_qb, stride_qh, stride_qt, GROUP,
                                                              NUM_ROWS_T, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_FP32)
-        _, num_blocks, first = _view(START, KV_START, b, START_OFFSET, NUM_TOKENS, BLOCK_SIZE)
+        view_start, num_blocks, first = _view(START, KV_START, b, START_OFFSET, NUM_TOKENS, BLOCK_SIZE)
+        kv0 = tl.load(KV_START + b).to(tl.int64)
         base = b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
+        code_base = b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
         lo_blk = split * per_split
         hi_blk = tl.minimum(lo_blk + per_split, tl.minimum(num_cap, num_blocks))
         m0 = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l0 = tl.zeros([BLOCK_M], tl.float32)
         m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l1 = tl.zeros([BLOCK_M], tl.float32)
-        for n0 in range(lo_blk, hi_blk, BLOCK_N):
-            cols = n0 + tl.arange(0, BLOCK_N)
-            ok = (cols < hi_blk) & (cols >= first)
-            allowed = row_ok[:, None] & ok[None, :]
-            x = tl.where(allowed, _logits(q, q_pos, q_neg, S, base, cols, ok, dims, dim_ok, stride_sn, scale,
-                                          FIRST_BOUND, MEAN_AT, LO_AT, HI_AT, HEAD_DIM, DOT_FP32, IEEE), float("-inf"))
+        for n0 in range(lo_blk, hi_blk, STEP):
+            if TOKENS:
+                x, allowed = _token_logits(q, row_ok, S, CODES, base, code_base, n0, hi_blk, first, num_blocks, kv0,
+                                           view_start + NUM_TOKENS, dims, dim_ok, stride_sn, scale, LO_AT, HI_AT,
+                                           HEAD_DIM, BLOCK_SIZE, STEP, BITS, PER_BYTE, DOT_FP32, IEEE)
+            else:
+                cols = n0 + tl.arange(0, BLOCK_N)
+                ok = (cols < hi_blk) & (cols >= first)
+                allowed = row_ok[:, None] & ok[None, :]
+                x = tl.where(allowed, _logits(q, q_pos, q_neg, S, base, cols, ok, dims, dim_ok, stride_sn, scale,
+                                              FIRST_BOUND, MEAN_AT, LO_AT, HI_AT, HEAD_DIM, DOT_FP32, IEEE),
+                             float("-inf"))
             m_new = tl.maximum(m0, tl.max(x, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             l0 = l0 * tl.exp(m0 - m_safe) + tl.sum(tl.where(allowed, tl.exp(x - m_safe[:, None]), 0.0), axis=1)
@@ -149,15 +184,16 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["num_cap", "per_split", "sink_blocks", "recent_blocks"])
     def _scores_kernel(
-        Q, S, RAW, MEM, OUT, KV_START, START, M_PART, L_PART,
+        Q, S, RAW, MEM, OUT, KV_START, START, M_PART, L_PART, CODES,
         num_cap, per_split, scale, decay, sink_blocks, recent_blocks,
-        stride_qb, stride_qh, stride_qt, stride_sn, stride_sb, stride_sh,
+        stride_qb, stride_qh, stride_qt, stride_sn, stride_sb, stride_sh, stride_cb, stride_ch,
         H_KV: tl.constexpr, GROUP: tl.constexpr, NUM_ROWS_T: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
         SPLITS_P2: tl.constexpr, SOURCE: tl.constexpr, CHANNELS: tl.constexpr, FIRST_BOUND: tl.constexpr,
         MEAN_AT: tl.constexpr, LO_AT: tl.constexpr, HI_AT: tl.constexpr, START_OFFSET: tl.constexpr,
         NUM_TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr, MEMORY: tl.constexpr, MEMORY_WRITE: tl.constexpr,
-        DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+        DOT_FP32: tl.constexpr, IEEE: tl.constexpr, TOKENS: tl.constexpr, STEP: tl.constexpr, BITS: tl.constexpr,
+        PER_BYTE: tl.constexpr,
     ):  # fmt: skip
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -172,14 +208,22 @@ if triton is not None:
             q, q_pos, q_neg, row_ok, dims, dim_ok = _query_tiles(Q, b, h, stride_qb, stride_qh, stride_qt, GROUP,
                                                                  NUM_ROWS_T, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_FP32)
             base = b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
+            code_base = b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
+            kv0 = tl.load(KV_START + b).to(tl.int64)
             m0, inv0 = _normaliser(M_PART, L_PART, bh, 0, BLOCK_M, NUM_SPLITS, SPLITS_P2)
             if CHANNELS == 2:
                 m1, inv1 = _normaliser(M_PART, L_PART, bh, 1, BLOCK_M, NUM_SPLITS, SPLITS_P2)
-        for n0 in range(lo_blk, hi_blk, BLOCK_N):
-            cols = n0 + tl.arange(0, BLOCK_N)
+        for n0 in range(lo_blk, hi_blk, STEP):
+            cols = n0 + tl.arange(0, STEP)
             in_cap = cols < hi_blk
             ok = in_cap & (cols >= first) & (cols < num_blocks)
-            if SOURCE == 0:
+            if SOURCE == 0 and TOKENS:
+                x, allowed = _token_logits(q, row_ok, S, CODES, base, code_base, n0, hi_blk, first, num_blocks, kv0,
+                                           view_start + NUM_TOKENS, dims, dim_ok, stride_sn, scale, LO_AT, HI_AT,
+                                           HEAD_DIM, BLOCK_SIZE, STEP, BITS, PER_BYTE, DOT_FP32, IEEE)
+                shares = tl.sum(tl.where(allowed, tl.exp(x - m0[:, None]) * inv0[:, None], 0.0), axis=0)
+                score = tl.sum(tl.reshape(shares, (STEP, BLOCK_SIZE)), axis=1)
+            elif SOURCE == 0:
                 allowed = row_ok[:, None] & ok[None, :]
                 x = _logits(q, q_pos, q_neg, S, base, cols, ok, dims, dim_ok, stride_sn, scale, FIRST_BOUND, MEAN_AT,
                             LO_AT, HI_AT, HEAD_DIM, DOT_FP32, IEEE)
@@ -235,6 +279,7 @@ def score_blocks(
     decay: float = 0.0,
     start_offset: int = 0,
     memory_write: bool = True,
+    codes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every block's selection score, rules and memory applied (Triton; the twin `score_blocks_ref` says what).
 
@@ -247,6 +292,8 @@ def score_blocks(
     kv_start : (B,) int64; start : 0-d int64 tensor (read on the device); scale : softmax scale.
     kind, source, num_tokens, block_size, sink_blocks, recent_blocks, decay, start_offset, memory_write : see the
         twin.
+    codes : (B, H_kv, NB_cap, BS, D // CODES_PER_BYTE) uint8 contiguous, a ``quantized`` summary's key codes
+        (required for it with ``source="summaries"``).
 
     Returns
     -------
@@ -267,6 +314,11 @@ def score_blocks(
             raise ValueError(f"score_blocks: {name} must be a contiguous (B, H_kv, NB_cap) tensor")
     if (source == "raw" and raw is None) or (decay > 0 and memory is None):
         raise ValueError("score_blocks: source='raw' needs `raw`, decay > 0 needs `memory`")
+    tokens = source == "summaries" and kind == "quantized"
+    if tokens and (codes is None or not codes.is_contiguous() or codes.dtype != torch.uint8 or codes.shape != (
+            batch, num_kv_heads, num_cap, block_size, head_dim // CODES_PER_BYTE)):
+        raise ValueError(f"score_blocks: a 'quantized' summary needs contiguous uint8 codes of shape (B, H_kv, "
+                         f"NB_cap, BS, D // {CODES_PER_BYTE}), got {None if codes is None else tuple(codes.shape)}")
     dev = summaries.device
     group = num_q_heads // num_kv_heads
     splits, per_split = _splits(batch * num_kv_heads, num_cap, dev)
@@ -283,16 +335,19 @@ def score_blocks(
         LO_AT=layout.index("lo") if "lo" in layout else 0, HI_AT=layout.index("hi") if "hi" in layout else 0,
         START_OFFSET=start_offset, NUM_TOKENS=num_tokens, BLOCK_SIZE=block_size,
         DOT_FP32=INTERPRET or query.dtype == torch.float32, IEEE=not INTERPRET and query.dtype == torch.float32,
+        TOKENS=tokens, STEP=max(2, _BLOCK_N // block_size) if tokens else _BLOCK_N, BITS=CODE_BITS,
+        PER_BYTE=CODES_PER_BYTE,
     )  # fmt: skip
     strides = (query.stride(0), query.stride(1), query.stride(2), summaries.stride(0), summaries.stride(1),
-               summaries.stride(2))
+               summaries.stride(2), codes.stride(0) if tokens else 0, codes.stride(1) if tokens else 0)
+    code_arg = codes if tokens else summaries
     grid = (batch * num_kv_heads, splits)
     if source == "summaries":
-        _stats_kernel[grid](query, summaries, kv_start, start, m_part, l_part, num_cap, per_split, scale, *strides,
-                            **common)
+        _stats_kernel[grid](query, summaries, kv_start, start, m_part, l_part, code_arg, num_cap, per_split, scale,
+                            *strides, **common)
     _scores_kernel[grid](
         query, summaries, raw if raw is not None else out, memory if memory is not None else out, out, kv_start,
-        start, m_part, l_part, num_cap, per_split, scale, float(decay), sink_blocks, recent_blocks, *strides,
+        start, m_part, l_part, code_arg, num_cap, per_split, scale, float(decay), sink_blocks, recent_blocks, *strides,
         SPLITS_P2=max(2, triton.next_power_of_2(splits)), SOURCE=SOURCES.index(source), MEMORY=decay > 0,
         MEMORY_WRITE=memory_write, **common,
     )  # fmt: skip

@@ -78,6 +78,8 @@ def publish(cache: OasisCache, tier: MooncakeTier, request: str, extra: dict[str
             "summaries": layer.summaries.data[..., :num_blocks, :].cpu(),
             "score_memory": layer.score_memory[..., :num_blocks].cpu(),  # (`score_decay`), so decoding continues alike
         }
+        if layer.summaries.codes is not None:  # a 'quantized' summary's key codes
+            state["codes"] = layer.summaries.codes[:, :, :num_blocks].cpu()
         written += _put_object(tier, state_key(request, idx), state)
     meta = {
         "version": FORMAT_VERSION,

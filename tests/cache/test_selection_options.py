@@ -178,11 +178,12 @@ def test_score_decay_changes_the_selection_under_a_small_budget_and_resets():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
-@pytest.mark.parametrize("summary", ["minmax", "mean+minmax"])
+@pytest.mark.parametrize("summary", ["minmax", "mean+minmax", "quantized"])
 def test_summaries_after_decoding_describe_the_host_keys(family, summary):
     """Below the context (8 slots of 16 for 180+ tokens), decoding with lookahead rewrites the summaries of the
     blocks each step touches; afterwards every layer's summaries (Quest's lo/hi, and the mean key for
-    ``mean+minmax``) equal those written afresh from the keys in the host store, partial last block included."""
+    ``mean+minmax``; the bounds and every key code for ``quantized``) equal those written afresh from the keys in
+    the host store, partial last block included."""
     from oasis_hf.cache.summaries import BlockSummaries
 
     model = tiny_model(family, attn="oasis")
@@ -197,7 +198,9 @@ def test_summaries_after_decoding_describe_the_host_keys(family, summary):
             padded = torch.zeros(1, layer.num_kv_heads, nb * 16, layer.head_dim, dtype=keys.dtype)
             padded[:, :, :n] = keys
             token_ok = (torch.arange(nb * 16) < n).reshape(1, 1, nb, 16)
-            fresh = BlockSummaries(summary, 1, layer.num_kv_heads, nb, layer.head_dim, keys.dtype, "cpu")
+            fresh = BlockSummaries(summary, 1, layer.num_kv_heads, nb, layer.head_dim, keys.dtype, "cpu", 16)
             fresh.write(torch.arange(nb), padded.reshape(1, layer.num_kv_heads, nb, 16, -1), token_ok)
             assert layer.summaries.data.shape[0] == fresh.data.shape[0]
             torch.testing.assert_close(layer.summaries.data[:, :, :, :nb], fresh.data, atol=1e-5, rtol=1e-5)
+            if summary == "quantized":
+                assert torch.equal(layer.summaries.codes[:, :, :nb], fresh.codes)

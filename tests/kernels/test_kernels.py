@@ -326,6 +326,87 @@ def test_score_blocks_kernel_matches_twin(case, kind, dtype):
     _check_scores(case, kind, "summaries", 0.9, dtype, dev, memory_write=False)  # the memory read, not updated
 
 
+def make_quantized_inputs(case, dtype, device="cpu", grid=False):
+    """`make_score_inputs` for a ``quantized`` summary: keys of BS tokens per block, real from the padding start to
+    the view's end as in a cache, their bounds and codes; with `grid`, every real key on its block's 4-level grid
+    (quantization is lossless)."""
+    from oasis_hf.kernels.ref import quantize_blocks, summarize_blocks
+
+    b, hq, hkv, t, d, nb, bs = case
+    gen = torch.Generator().manual_seed(sum(case) + 7)
+    query = torch.randn(b, hq, t, d, generator=gen)
+    keys = torch.randn(b, hkv, nb, bs, d, generator=gen)
+    kv_start = torch.randint(0, 3 * bs, (b,), generator=gen)
+    start = torch.tensor(max(nb - 3, 1) * bs - t - 1 + bs // 2)
+    pos = torch.arange(nb * bs).view(1, 1, nb, bs)
+    token_ok = (pos >= kv_start.view(-1, 1, 1, 1)) & (pos < start + t)
+    bounds = summarize_blocks("quantized", keys, token_ok)
+    if grid:
+        lo, hi = bounds[0][..., None, :], bounds[1][..., None, :]
+        keys = lo + torch.randint(0, 4, keys.shape, generator=gen) * (hi - lo) / 3
+    codes = quantize_blocks(keys, token_ok, bounds)
+    memory = torch.rand(b, hkv, nb, generator=gen) * 0.02
+    out = [query.to(dtype), bounds.to(dtype), codes, kv_start, start, memory]
+    return [x.to(device) for x in out] + [keys, token_ok, d**-0.5]
+
+
+@pytest.mark.parametrize("case", SCORE_CASES, ids=str)
+def test_score_blocks_ref_quantized_is_exact_attention_on_lossless_keys(case):
+    """With every key on its block's grid, a ``quantized`` score is the exact attention mass of each block: every
+    row's softmax over the real tokens of the view in choosable blocks, summed per block and over the rows; the
+    rules (forced, excluded) as for the other summaries."""
+    query, bounds, codes, kv_start, start, memory, keys, token_ok, scale = make_quantized_inputs(case, torch.float32,
+                                                                                                 grid=True)
+    b, hq, hkv, t, d, nb, bs = case
+    rules = _rules(case)
+    out = score_blocks_ref(query, bounds, None, None, kv_start, start, scale, kind="quantized", source="summaries",
+                           codes=codes, **rules)
+    forced = score_blocks_ref(query, bounds, None, None, kv_start, start, scale, kind="minmax", source="summaries",
+                              **rules)
+    assert torch.equal(torch.isinf(out), torch.isinf(forced)) and torch.equal(out > 0, forced > 0)
+    end = int(start) + t
+    num_blocks = -(-end // bs)
+    for i in range(b):
+        pos = torch.arange(nb * bs)
+        real = (pos >= int(kv_start[i])) & (pos < end) & (pos < num_blocks * bs)
+        for h in range(hkv):
+            k = keys[i, h].reshape(nb * bs, d)[real]
+            rows = query[i, h * (hq // hkv) : (h + 1) * (hq // hkv)].reshape(-1, d)
+            probs = torch.softmax(rows @ k.T * scale, dim=-1).sum(0)
+            mass = torch.zeros(nb * bs).index_put_((pos[real],), probs).view(nb, bs).sum(-1)
+            finite = torch.isfinite(out[i, h])
+            torch.testing.assert_close(out[i, h][finite], mass[finite], atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="quantized.*codes"):
+        score_blocks_ref(query, bounds, None, None, kv_start, start, scale, kind="quantized", source="summaries",
+                         **rules)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", SCORE_CASES, ids=str)
+def test_score_blocks_kernel_matches_twin_quantized(case, dtype):
+    """The token-level path of `score_blocks` against its twin: plain, a selection job's view with the memory, and
+    the memory read but not written."""
+    dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+    query, bounds, codes, kv_start, start, memory, *_, scale = make_quantized_inputs(case, dtype, dev)
+    for decay, offset, write in ((0.0, 0, True), (0.9, case[3] - 1, True), (0.9, 0, False)):
+        rules = _rules(case, decay=decay, num_tokens=1 if offset else case[3], memory_write=write)
+        mem_k, mem_r = memory.clone(), memory.clone()
+        out = score_blocks(query, bounds, None, mem_k, kv_start, start, scale, kind="quantized", source="summaries",
+                           start_offset=offset, codes=codes, **rules)
+        ref = score_blocks_ref(query, bounds, None, mem_r, kv_start, start, scale, kind="quantized",
+                               source="summaries", start_offset=offset, codes=codes, **rules)
+        assert torch.equal(torch.isinf(out), torch.isinf(ref)) and torch.equal(out == float("inf"), ref == float("inf"))
+        finite = torch.isfinite(ref)
+        assert bool(finite.any()), "the case must leave some blocks to score"
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[finite], ref[finite], atol=tol, rtol=1e-3)
+        torch.testing.assert_close(mem_k, mem_r, atol=tol, rtol=1e-3)
+    with pytest.raises(ValueError, match="quantized.*codes"):
+        score_blocks(query, bounds, None, None, kv_start, start, scale, kind="quantized", source="summaries",
+                     **_rules(case))
+
+
 @needs_triton
 @pytest.mark.parametrize("source", ["recency", "raw"])
 def test_score_blocks_kernel_sources_without_summaries(source):
@@ -545,7 +626,7 @@ def test_mean_plus_minmax_lets_each_summary_propose(backend):
     fn = score_blocks if backend == "triton" else score_blocks_ref
     top2 = {}
     for kind in KINDS:
-        summaries = BlockSummaries(kind, 1, 1, 7, 16, torch.float32, dev)
+        summaries = BlockSummaries(kind, 1, 1, 7, 16, torch.float32, dev, 4)
         summaries.write(torch.arange(7, device=dev), keys.to(dev), torch.ones(1, 1, 7, 4, dtype=torch.bool, device=dev))
         scores = fn(query, summaries.data, None, None, torch.zeros(1, dtype=torch.long, device=dev),
                     torch.tensor(27, device=dev), 1.0, kind=kind, source="summaries", num_tokens=1, block_size=4,
@@ -564,7 +645,7 @@ def test_block_summaries_store_what_each_kind_names():
     keys = torch.randn(2, 3, 9, 4, 8, generator=gen)
     token_ok = torch.rand(2, 1, 9, 4, generator=gen) > 0.3
     token_ok[:, :, 0] = False
-    both = BlockSummaries("mean+minmax", 2, 3, 9, 8, torch.float32, "cpu")
+    both = BlockSummaries("mean+minmax", 2, 3, 9, 8, torch.float32, "cpu", 4)
     both.write(torch.arange(9), keys, token_ok)
     assert both.data.shape[0] == 3 and both.nbytes == 3 * 2 * 3 * 9 * 8 * 4
     low, high, mean = both.data
@@ -575,6 +656,32 @@ def test_block_summaries_store_what_each_kind_names():
     assert not bool(mean[:, :, 0].any()) and not bool(low[:, :, 0].any())
 
 
+def test_quantized_block_summaries_keep_codes_and_count_their_bytes():
+    """``quantized``: the bounds in `data`, codes beside them written with them, grown and zeroed with them, counted
+    in `nbytes` as `summary_key_vectors` says; a head dim that does not pack into bytes is refused."""
+    from oasis_hf.cache.summaries import BlockSummaries
+    from oasis_hf.kernels.ref import quantize_blocks, summarize_blocks, summary_key_vectors
+
+    gen = torch.Generator().manual_seed(4)
+    keys = torch.randn(2, 3, 5, 16, 8, generator=gen).to(torch.bfloat16)
+    token_ok = torch.ones(2, 1, 5, 16, dtype=torch.bool)
+    summaries = BlockSummaries("quantized", 2, 3, 5, 8, torch.bfloat16, "cpu", 16)
+    summaries.write(torch.arange(5), keys, token_ok)
+    bounds = summarize_blocks("quantized", keys, token_ok)
+    assert torch.equal(summaries.data, bounds) and torch.equal(summaries.codes, quantize_blocks(keys, token_ok, bounds))
+    per_block = summary_key_vectors("quantized", 16) * 8 * 2  # key vectors x D x bf16 bytes
+    assert summaries.nbytes == 2 * 3 * 5 * per_block == 2 * 3 * 5 * (2 * 8 * 2 + 16 * 2)
+    assert summary_key_vectors("mean+minmax", 16) == 3 and summary_key_vectors("quantized", 32) == 6  # 3/16 of the keys
+    summaries.grow(7)
+    assert summaries.codes.shape == (2, 3, 7, 16, 2) and not bool(summaries.codes[:, :, 5:].any())
+    assert torch.equal(summaries.codes[:, :, :5], quantize_blocks(keys, token_ok, bounds))
+    summaries.zero_()
+    assert not bool(summaries.codes.any()) and not bool(summaries.data.any())
+    assert BlockSummaries("mean", 1, 1, 4, 8, torch.float32, "cpu", 16).codes is None
+    with pytest.raises(ValueError, match="head_dim 6 is not a multiple of 4"):
+        BlockSummaries("quantized", 1, 1, 4, 6, torch.float32, "cpu", 16)
+
+
 def test_block_summaries_refuse_an_unknown_kind():
     from oasis_hf.cache.summaries import BlockSummaries
     from oasis_hf.config import SUMMARY_KINDS
@@ -582,7 +689,7 @@ def test_block_summaries_refuse_an_unknown_kind():
 
     assert set(SUMMARY_KINDS) == set(SUMMARY_LAYOUT)  # what OasisConfig accepts is what BlockSummaries stores
     with pytest.raises(ValueError, match="unknown block summary 'median'.*mean\\+minmax"):
-        BlockSummaries("median", 1, 1, 4, 8, torch.float32, "cpu")
+        BlockSummaries("median", 1, 1, 4, 8, torch.float32, "cpu", 4)
 
 
 # (B, H_kv, S, BS, D, T, offset into the block of the first new token): one token mid-block and at a block start, a
@@ -644,6 +751,67 @@ def test_append_tokens_kernel_matches_twin(case, kind, dtype):
         new_blocks = range(start // bs, (start + t - 1) // bs + 1)
         for blk in new_blocks:  # every touched block is resident and holds the new tokens
             assert bool((args_r[5][..., : case[2]] == blk).any(-1).all())
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", APPEND_CASES, ids=str)
+def test_append_tokens_kernel_matches_twin_quantized(case, dtype):
+    """A ``quantized`` summary: the bounds to rounding as for ``minmax``, and every key code of the touched blocks
+    identical to the twin's (the codes come from the bounds as stored, so both sides quantize alike)."""
+    from oasis_hf.kernels.ref import CODES_PER_BYTE
+
+    dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+    b, h, _, bs, d, t, _ = case
+    for seed, (sinks, recent) in enumerate([(1, 2), (0, 1)]):
+        args_k = _append_case(case, "quantized", dtype, dev, seed)
+        args_r = [x.clone() for x in args_k]
+        cap = args_k[8].shape[3]
+        gen = torch.Generator().manual_seed(seed)
+        codes_k = torch.randint(0, 256, (b, h, cap, bs, d // CODES_PER_BYTE), generator=gen, dtype=torch.uint8).to(dev)
+        codes_r, before = codes_k.clone(), codes_k.clone()
+        append_tokens(*args_k, kind="quantized", sink_blocks=sinks, recent_blocks=recent, codes=codes_k)
+        append_tokens_ref(*args_r, kind="quantized", sink_blocks=sinks, recent_blocks=recent, codes=codes_r)
+        assert torch.equal(args_k[3], args_r[3]) and torch.equal(args_k[7][..., :-1], args_r[7][..., :-1])
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(args_k[8], args_r[8], atol=tol, rtol=tol)
+        start = int(args_k[2])
+        touched = list(range(start // bs, (start + t - 1) // bs + 1))
+        assert torch.equal(codes_k, codes_r), f"seed {seed}"
+        untouched = [i for i in range(cap) if i not in touched]
+        assert torch.equal(codes_k[:, :, untouched], before[:, :, untouched])  # only the touched blocks re-quantize
+        assert not torch.equal(codes_k[:, :, touched], before[:, :, touched])
+    with pytest.raises(ValueError, match="quantized.*codes"):
+        append_tokens(*args_k, kind="quantized", sink_blocks=1, recent_blocks=2)
+
+
+def test_quantized_codes_round_trip_and_pack_four_channels_per_byte():
+    """`quantize_blocks` / `dequantize_blocks`: a key on its block's 4-level grid comes back exactly; any key within
+    (hi - lo) / 6 of itself; channel d sits in byte d // 4 at bit 2 * (d % 4); unreal tokens and flat channels
+    code 0."""
+    from oasis_hf.kernels.ref import dequantize_blocks, quantize_blocks, summarize_blocks
+
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randn(2, 3, 5, 16, 8, generator=gen)
+    keys[..., 7] = 0.25  # a flat channel
+    token_ok = torch.rand(2, 1, 5, 16, generator=gen) > 0.2
+    token_ok[..., 0] = True
+    bounds = summarize_blocks("quantized", keys, token_ok)
+    codes = quantize_blocks(keys, token_ok, bounds)
+    assert codes.shape == (2, 3, 5, 16, 2) and codes.dtype == torch.uint8
+    back = dequantize_blocks(codes, bounds)
+    width = (bounds[1] - bounds[0])[..., None, :]
+    real = token_ok[..., None].expand_as(keys)
+    assert bool(((back - keys).abs() <= width / 6 + 1e-6)[real].all())
+    grid = bounds[0][..., None, :] + torch.randint(0, 4, keys.shape, generator=gen) * width / 3
+    grid = torch.where(real, grid, bounds[0][..., None, :])
+    again = quantize_blocks(grid, token_ok, bounds)
+    torch.testing.assert_close(dequantize_blocks(again, bounds), grid, atol=1e-6, rtol=0)
+    one = torch.zeros(1, 1, 1, 1, 8)
+    one[..., 5] = 1.0  # channel 5 at the top of [0, 1]: code 3 in byte 1, bits 2-3
+    lohi = torch.stack([torch.zeros(1, 1, 1, 8), torch.ones(1, 1, 1, 8)])
+    assert quantize_blocks(one, torch.ones(1, 1, 1, 1, dtype=torch.bool), lohi).flatten().tolist() == [0, 3 << 2]
+    assert not bool(quantize_blocks(keys, torch.zeros_like(token_ok), bounds).any())
 
 
 def test_append_tokens_twin_writes_what_a_dense_cache_holds():
