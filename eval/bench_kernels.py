@@ -46,6 +46,7 @@ from oasis_hf.kernels import (
     sparse_attention_ref,
 )
 from oasis_hf.kernels.plan_blocks import supported as plan_kernel_supported
+from oasis_hf.kernels.ref import CODES_PER_BYTE
 
 logger = logging.getLogger("eval.bench_kernels")
 
@@ -232,32 +233,40 @@ def plan_rows(shapes: list[tuple[int, int, int, int]]) -> list[dict]:
     return rows
 
 
-def score_rows(shapes: list[tuple[int, int, int, int]]) -> list[dict]:
-    """Block scoring of one layer-step (`score_blocks`, mean-key summaries, the selection memory on), Llama-8B heads
-    (32 query heads over 8 KV heads, D 128, bf16), replayed in a CUDA graph; checked against the twin first. Each
-    shape is (B, H_kv, NB, T): NB blocks of 32 scored by T query rows per head."""
+def score_rows(shapes: list[tuple[int, int, int, int]], kinds: tuple[str, ...] = ("mean",)) -> list[dict]:
+    """Block scoring of one layer-step (`score_blocks`, the selection memory on) per summary kind in `kinds` (mean
+    keys; ``quantized``: bounds plus 2-bit codes of every key, scored per token), Llama-8B heads (32 query heads
+    over 8 KV heads, D 128, bf16), replayed in a CUDA graph; checked against the twin first. Each shape is
+    (B, H_kv, NB, T): NB blocks of 32 scored by T query rows per head."""
     rows = []
-    for batch, heads, num_blocks, tokens in shapes:
-        gen = torch.Generator(device="cuda").manual_seed(num_blocks + tokens)
-        query = torch.randn(batch, 4 * heads, tokens, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
-        summaries = torch.randn(1, batch, heads, num_blocks, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
-        memory = torch.rand(batch, heads, num_blocks, device="cuda", generator=gen)
-        kv_start = torch.zeros(batch, dtype=torch.long, device="cuda")
-        start = torch.tensor(num_blocks * 32 - 16 - tokens, device="cuda")
-        rules = dict(kind="mean", source="summaries", num_tokens=tokens, block_size=32, sink_blocks=1,
-                     recent_blocks=4, decay=0.9)
-        out = score_blocks(query, summaries, None, memory.clone(), kv_start, start, 128**-0.5, **rules)
-        ref = score_blocks_ref(query, summaries, None, memory.clone(), kv_start, start, 128**-0.5, **rules)
-        finite = torch.isfinite(ref)
-        err = (out[finite] - ref[finite]).abs().max().item() / ref[finite].abs().max().item()
-        same_rules = torch.equal(torch.isfinite(out), finite) and torch.equal(out[~finite], ref[~finite])
-        ms = time_cuda(lambda q=query, s=summaries, m=memory, k=kv_start, st=start, r=rules: score_blocks(
-            q, s, None, m, k, st, 128**-0.5, **r))
-        nbytes = summaries.numel() * summaries.element_size() + 3 * memory.numel() * 4  # memory read, written; out
-        rows.append({"B": batch, "H_kv": heads, "NB": num_blocks, "T": tokens, "us": ms * 1e3,
-                     "MB moved": nbytes / 1e6, "GB/s": nbytes / (ms / 1e3) / 1e9, "rules equal": same_rules,
-                     "max rel err vs twin": err})
-        logger.info("score %s", rows[-1])
+    for kind in kinds:
+        for batch, heads, num_blocks, tokens in shapes:
+            gen = torch.Generator(device="cuda").manual_seed(num_blocks + tokens)
+            query = torch.randn(batch, 4 * heads, tokens, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
+            vectors = torch.randn(2, batch, heads, num_blocks, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
+            summaries, codes = vectors[:1].contiguous(), None
+            if kind == "quantized":  # bounds lo <= hi, random codes
+                summaries = torch.stack([vectors.amin(0), vectors.amax(0)])
+                codes = torch.randint(0, 256, (batch, heads, num_blocks, 32, 128 // CODES_PER_BYTE), device="cuda",
+                                      dtype=torch.uint8, generator=gen)
+            memory = torch.rand(batch, heads, num_blocks, device="cuda", generator=gen)
+            kv_start = torch.zeros(batch, dtype=torch.long, device="cuda")
+            start = torch.tensor(num_blocks * 32 - 16 - tokens, device="cuda")
+            rules = dict(kind=kind, source="summaries", num_tokens=tokens, block_size=32, sink_blocks=1,
+                         recent_blocks=4, decay=0.9, codes=codes)
+            out = score_blocks(query, summaries, None, memory.clone(), kv_start, start, 128**-0.5, **rules)
+            ref = score_blocks_ref(query, summaries, None, memory.clone(), kv_start, start, 128**-0.5, **rules)
+            finite = torch.isfinite(ref)
+            err = (out[finite] - ref[finite]).abs().max().item() / ref[finite].abs().max().item()
+            same_rules = torch.equal(torch.isfinite(out), finite) and torch.equal(out[~finite], ref[~finite])
+            ms = time_cuda(lambda q=query, s=summaries, m=memory, k=kv_start, st=start, r=rules: score_blocks(
+                q, s, None, m, k, st, 128**-0.5, **r))
+            nbytes = (summaries.numel() * summaries.element_size() + (0 if codes is None else codes.numel())
+                      + 3 * memory.numel() * 4)  # memory read, written; out
+            rows.append({"summary": kind, "B": batch, "H_kv": heads, "NB": num_blocks, "T": tokens, "us": ms * 1e3,
+                         "MB moved": nbytes / 1e6, "GB/s": nbytes / (ms / 1e3) / 1e9, "rules equal": same_rules,
+                         "max rel err vs twin": err})
+            logger.info("score %s", rows[-1])
     return rows
 
 
@@ -455,6 +464,8 @@ def main() -> None:
     parser.add_argument("--score", type=str, nargs="*",
                         default=["8,8,1025,1", "16,8,1025,1", "1,8,4097,1", "8,8,1025,5"],
                         help="shapes B,H_kv,NB,T of the scoring table (none: skip it)")
+    parser.add_argument("--score-summaries", nargs="+", default=["mean"], choices=["mean", "quantized"],
+                        help="summary kinds of the scoring table (quantized: its bytes and time beside mean keys)")
     parser.add_argument("--projections", type=int, nargs="*", default=[1, 8, 16],
                         help="batches of the weight-GEMM table (one Llama-8B layer; none: skip it)")
     parser.add_argument("--job-interference", type=int, nargs="*", default=[8],
@@ -499,12 +510,13 @@ def main() -> None:
                   "delta of 16, table update), each replayed in a CUDA graph; NB 1025 / 4097 = 32k / 128k tokens in "
                   "blocks of 32, S 64 = budget 2048:\n\n")
         table += markdown_table(plans, ["B", "H_kv", "NB", "S", "plans equal", "kernel us", "twin us", "speed-up"])
-    scores = score_rows([tuple(int(x) for x in shape.split(",")) for shape in args.score])
+    scores = score_rows([tuple(int(x) for x in shape.split(",")) for shape in args.score], tuple(args.score_summaries))
     if scores:
-        table += ("\n\nBlock scoring of one layer-step (`score_blocks`: mean-key summaries, softmax over the blocks, "
-                  "selection memory), replayed in a CUDA graph; bytes: the summaries read once, the memory read and "
+        table += ("\n\nBlock scoring of one layer-step (`score_blocks`: mean keys, softmax over the blocks; quantized, "
+                  "softmax over the tokens; selection memory), replayed in a CUDA graph; bytes: the summaries (and "
+                  "codes) read once, the memory read and "
                   "written, the scores written:\n\n")
-        table += markdown_table(scores, ["B", "H_kv", "NB", "T", "us", "MB moved", "GB/s", "rules equal",
+        table += markdown_table(scores, ["summary", "B", "H_kv", "NB", "T", "us", "MB moved", "GB/s", "rules equal",
                                          "max rel err vs twin"])
     projections = projection_rows(args.projections) if args.projections else []
     if projections:

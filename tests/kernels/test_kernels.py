@@ -388,7 +388,25 @@ def test_score_blocks_kernel_matches_twin_quantized(case, dtype):
     """The token-level path of `score_blocks` against its twin: plain, a selection job's view with the memory, and
     the memory read but not written."""
     dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
-    query, bounds, codes, kv_start, start, memory, *_, scale = make_quantized_inputs(case, dtype, dev)
+    query, bounds, codes, kv_start, start, memory, *_, scale = _check_quantized_scores(case, dtype, dev)
+    with pytest.raises(ValueError, match="quantized.*codes"):
+        score_blocks(query, bounds, None, None, kv_start, start, scale, kind="quantized", source="summaries",
+                     **_rules(case))
+
+
+@pytest.mark.gpu
+def test_score_blocks_quantized_gpu_large():
+    """The token-level path at decode shapes: Llama-8B at batch 8 / 32k (1,030 blocks of 32), Qwen2.5-1.5B's 5
+    verify queries at 30k in blocks of 16; bf16."""
+    for case in [(8, 32, 8, 1, 128, 1030, 32), (8, 12, 2, 5, 128, 1875, 16)]:
+        _check_quantized_scores(case, torch.bfloat16, "cuda")
+
+
+def _check_quantized_scores(case, dtype, dev):
+    """Kernel against twin for a ``quantized`` summary: plain, a selection job's view with the memory, the memory
+    read but not written; returns `make_quantized_inputs`' tensors."""
+    query, bounds, codes, kv_start, start, memory, *rest = make_quantized_inputs(case, dtype, dev)
+    scale = rest[-1]
     for decay, offset, write in ((0.0, 0, True), (0.9, case[3] - 1, True), (0.9, 0, False)):
         rules = _rules(case, decay=decay, num_tokens=1 if offset else case[3], memory_write=write)
         mem_k, mem_r = memory.clone(), memory.clone()
@@ -402,9 +420,7 @@ def test_score_blocks_kernel_matches_twin_quantized(case, dtype):
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[finite], ref[finite], atol=tol, rtol=1e-3)
         torch.testing.assert_close(mem_k, mem_r, atol=tol, rtol=1e-3)
-    with pytest.raises(ValueError, match="quantized.*codes"):
-        score_blocks(query, bounds, None, None, kv_start, start, scale, kind="quantized", source="summaries",
-                     **_rules(case))
+    return query, bounds, codes, kv_start, start, memory, *rest
 
 
 @needs_triton
@@ -869,13 +885,19 @@ def test_write_tokens_kernel_matches_twin(case):
 @pytest.mark.gpu
 def test_append_and_write_tokens_gpu_large():
     """Llama-8B's decode shape (batch 8, 8 KV heads, budget 2048 in blocks of 32, head dim 128, bf16) for one token
-    and a 5-token verification forward, every summary kind; the write-back into a pinned host segment."""
-    for kind in KINDS:
+    and a 5-token verification forward, every summary kind (a ``quantized`` one's codes exactly); the write-back into
+    a pinned host segment."""
+    for kind in (*KINDS, "quantized"):
         for case in [(8, 8, 64, 32, 128, 1, 31), (8, 8, 64, 32, 128, 5, 30)]:
             args_k = _append_case(case, kind, torch.bfloat16, "cuda", 0)
             args_r = [x.clone() for x in args_k]
-            append_tokens(*args_k, kind=kind, sink_blocks=1, recent_blocks=5)
-            append_tokens_ref(*args_r, kind=kind, sink_blocks=1, recent_blocks=5)
+            codes = {}
+            if kind == "quantized":
+                codes = {"codes": torch.zeros(8, 8, args_k[8].shape[3], 32, 32, dtype=torch.uint8, device="cuda")}
+            codes_r = {name: c.clone() for name, c in codes.items()}
+            append_tokens(*args_k, kind=kind, sink_blocks=1, recent_blocks=5, **codes)
+            append_tokens_ref(*args_r, kind=kind, sink_blocks=1, recent_blocks=5, **codes_r)
+            assert all(torch.equal(codes[name], codes_r[name]) for name in codes)
             assert torch.equal(args_k[3], args_r[3]) and torch.equal(args_k[4], args_r[4])
             for k, r in zip(args_k[5:8], args_r[5:8], strict=True):
                 assert torch.equal(k[..., :-1], r[..., :-1])  # tables without the trash column
