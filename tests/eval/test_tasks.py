@@ -546,16 +546,18 @@ def test_recall_bench_on_suite_task_prompts(tmp_path, monkeypatch):
     recall.main()
     payload = json.loads(out.with_suffix(".json").read_text())
     rows = payload["rows"]
-    names = ["lookahead", "lookahead, minmax summaries", "lookahead, mean+minmax summaries"]
+    names = ["lookahead", "lookahead, minmax summaries", "lookahead, mean+minmax summaries",
+             "lookahead, quantized keys"]
     assert [r["method"] for r in rows] == [m for n in names for m in (n, f"{n} [slow]")]
     # A variant's fields go on top of --config (and of the row's own); the plain row keeps --config's.
-    assert [c.score_decay for c in built] == [0.9, 0.5] * 3
+    assert [c.score_decay for c in built] == [0.9, 0.5] * 4
     del built[1::2]
     assert all(0.0 <= r["attention mass on resident"] <= 1.0 and r["vt score"].endswith("/1") for r in rows)
     # The blocks moved per (KV head, layer-step); no row corrects inside the step (no sync_fetch_blocks here).
     assert all(r[recall.FETCHED] > 0 and r[recall.CORRECTED] == 0 for r in rows)
     # --config reaches every row's OasisConfig (the row's own summary kept) and the recorded arguments.
-    assert [c.summary for c in built] == ["mean", "minmax", "mean+minmax"] and all(c.measure_recall for c in built)
+    assert [c.summary for c in built] == ["mean", "minmax", "mean+minmax", "quantized"]
+    assert all(c.measure_recall for c in built)
     assert all((c.block_size, c.sink_tokens, c.recent_tokens, c.score_decay, c.max_fetch_blocks,
                 c.layer_budget_tokens) == (16, 16, 64, 0.9, None, ((1, 1024),)) for c in built)
     assert payload["args"]["config"]["block_size"] == 16
