@@ -262,6 +262,11 @@ def summarize_blocks(kind: str, blocks_k: torch.Tensor, token_ok: torch.Tensor) 
     return torch.stack([parts[name] for name in SUMMARY_LAYOUT[kind]]).to(blocks_k.dtype)
 
 
+def _code_shifts(device) -> torch.Tensor:
+    """Bit offset of each of a byte's `CODES_PER_BYTE` channels."""
+    return CODE_BITS * torch.arange(CODES_PER_BYTE, device=device, dtype=torch.int32)
+
+
 def quantize_blocks(blocks_k: torch.Tensor, token_ok: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     """Every key of ``n`` blocks at `CODE_BITS` bits per channel inside its block's bounds, packed.
 
@@ -276,16 +281,14 @@ def quantize_blocks(blocks_k: torch.Tensor, token_ok: torch.Tensor, bounds: torc
     width = hi - lo
     scaled = torch.where(width > 0, (blocks_k.float() - lo) / torch.where(width > 0, width, 1.0) * levels, 0.0)
     codes = torch.where(token_ok[..., None], torch.floor(scaled + 0.5).clamp(0, levels), 0).to(torch.int32)
-    shifts = CODE_BITS * torch.arange(CODES_PER_BYTE, device=codes.device, dtype=torch.int32)
-    packed = (codes.unflatten(-1, (-1, CODES_PER_BYTE)) << shifts).sum(-1)
+    packed = (codes.unflatten(-1, (-1, CODES_PER_BYTE)) << _code_shifts(codes.device)).sum(-1)
     return packed.to(torch.uint8)
 
 
 def dequantize_blocks(codes: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     """Keys back from `quantize_blocks`' codes (..., n, BS, D // CODES_PER_BYTE) and bounds (2, ..., n, D):
     ``lo + code * (hi - lo) / L`` in float32, (..., n, BS, D)."""
-    shifts = CODE_BITS * torch.arange(CODES_PER_BYTE, device=codes.device, dtype=torch.int32)
-    code = ((codes.to(torch.int32)[..., None] >> shifts) & (2**CODE_BITS - 1)).flatten(-2).float()
+    code = ((codes.to(torch.int32)[..., None] >> _code_shifts(codes.device)) & (2**CODE_BITS - 1)).flatten(-2).float()
     lo, hi = bounds[0].float()[..., None, :], bounds[1].float()[..., None, :]
     return lo + code * ((hi - lo) / (2**CODE_BITS - 1))
 

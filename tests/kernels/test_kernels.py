@@ -212,6 +212,7 @@ def test_copy_rows_reads_and_writes_pinned_host_memory():
 # (B, H_q, H_kv, T, D, NB, BS): GQA 1/4/7, 1 and several query tokens, NB not a multiple of the kernel's 64-block tile
 SCORE_CASES = [(1, 4, 4, 1, 16, 10, 16), (2, 8, 2, 1, 64, 130, 16), (1, 7, 1, 4, 32, 65, 32), (3, 4, 1, 3, 80, 7, 16)]
 KINDS = ("mean", "minmax", "mean+minmax")
+SCORED_KINDS = (*KINDS, "quantized")  # quantized: token-level scoring from codes (`make_quantized_inputs`)
 
 
 def make_score_inputs(case, kind, dtype, device="cpu"):
@@ -296,14 +297,18 @@ def test_score_blocks_ref_matches_slow_rules(case, kind):
 
 
 def _check_scores(case, kind, source, decay, dtype, device, offset=0, memory_write=True):
-    query, summaries, kv_start, start, memory, scale = make_score_inputs(case, kind, dtype, device)
+    codes = None
+    if kind == "quantized":
+        query, summaries, codes, kv_start, start, memory, *_, scale = make_quantized_inputs(case, dtype, device)
+    else:
+        query, summaries, kv_start, start, memory, scale = make_score_inputs(case, kind, dtype, device)
     raw = torch.rand(memory.shape, device=device) if source == "raw" else None
     rules = _rules(case, decay=decay, num_tokens=1 if offset else case[3], memory_write=memory_write)
     mem_k, mem_r = memory.clone(), memory.clone()
     out = score_blocks(query, summaries, raw, mem_k, kv_start, start, scale, kind=kind, source=source,
-                       start_offset=offset, **rules)
+                       start_offset=offset, codes=codes, **rules)
     ref = score_blocks_ref(query, summaries, raw, mem_r, kv_start, start, scale, kind=kind, source=source,
-                           start_offset=offset, **rules)
+                           start_offset=offset, codes=codes, **rules)
     assert out.shape == ref.shape and out.dtype == torch.float32
     assert torch.equal(torch.isinf(out), torch.isinf(ref)) and torch.equal(out == float("inf"), ref == float("inf"))
     finite = torch.isfinite(ref)
@@ -317,7 +322,7 @@ def _check_scores(case, kind, source, decay, dtype, device, offset=0, memory_wri
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", SCORED_KINDS)
 @pytest.mark.parametrize("case", SCORE_CASES, ids=str)
 def test_score_blocks_kernel_matches_twin(case, kind, dtype):
     dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -376,51 +381,6 @@ def test_score_blocks_ref_quantized_is_exact_attention_on_lossless_keys(case):
             mass = torch.zeros(nb * bs).index_put_((pos[real],), probs).view(nb, bs).sum(-1)
             finite = torch.isfinite(out[i, h])
             torch.testing.assert_close(out[i, h][finite], mass[finite], atol=1e-5, rtol=1e-4)
-    with pytest.raises(ValueError, match="quantized.*codes"):
-        score_blocks_ref(query, bounds, None, None, kv_start, start, scale, kind="quantized", source="summaries",
-                         **rules)
-
-
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", SCORE_CASES, ids=str)
-def test_score_blocks_kernel_matches_twin_quantized(case, dtype):
-    """The token-level path of `score_blocks` against its twin: plain, a selection job's view with the memory, and
-    the memory read but not written."""
-    dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
-    query, bounds, codes, kv_start, start, memory, *_, scale = _check_quantized_scores(case, dtype, dev)
-    with pytest.raises(ValueError, match="quantized.*codes"):
-        score_blocks(query, bounds, None, None, kv_start, start, scale, kind="quantized", source="summaries",
-                     **_rules(case))
-
-
-@pytest.mark.gpu
-def test_score_blocks_quantized_gpu_large():
-    """The token-level path at decode shapes: Llama-8B at batch 8 / 32k (1,030 blocks of 32), Qwen2.5-1.5B's 5
-    verify queries at 30k in blocks of 16; bf16."""
-    for case in [(8, 32, 8, 1, 128, 1030, 32), (8, 12, 2, 5, 128, 1875, 16)]:
-        _check_quantized_scores(case, torch.bfloat16, "cuda")
-
-
-def _check_quantized_scores(case, dtype, dev):
-    """Kernel against twin for a ``quantized`` summary: plain, a selection job's view with the memory, the memory
-    read but not written; returns `make_quantized_inputs`' tensors."""
-    query, bounds, codes, kv_start, start, memory, *rest = make_quantized_inputs(case, dtype, dev)
-    scale = rest[-1]
-    for decay, offset, write in ((0.0, 0, True), (0.9, case[3] - 1, True), (0.9, 0, False)):
-        rules = _rules(case, decay=decay, num_tokens=1 if offset else case[3], memory_write=write)
-        mem_k, mem_r = memory.clone(), memory.clone()
-        out = score_blocks(query, bounds, None, mem_k, kv_start, start, scale, kind="quantized", source="summaries",
-                           start_offset=offset, codes=codes, **rules)
-        ref = score_blocks_ref(query, bounds, None, mem_r, kv_start, start, scale, kind="quantized",
-                               source="summaries", start_offset=offset, codes=codes, **rules)
-        assert torch.equal(torch.isinf(out), torch.isinf(ref)) and torch.equal(out == float("inf"), ref == float("inf"))
-        finite = torch.isfinite(ref)
-        assert bool(finite.any()), "the case must leave some blocks to score"
-        tol = 1e-4 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(out[finite], ref[finite], atol=tol, rtol=1e-3)
-        torch.testing.assert_close(mem_k, mem_r, atol=tol, rtol=1e-3)
-    return query, bounds, codes, kv_start, start, memory, *rest
 
 
 @needs_triton
@@ -441,10 +401,14 @@ def test_score_blocks_refuses_bad_input():
                      **rules)
     with pytest.raises(ValueError, match="needs `raw`"):
         score_blocks(query, summaries, None, memory, kv_start, start, scale, kind="mean", source="raw", **rules)
+    bounds = make_score_inputs(SCORE_CASES[0], "minmax", torch.float32)[1]
+    for score in (score_blocks, score_blocks_ref):
+        with pytest.raises(ValueError, match="quantized.*codes"):
+            score(query, bounds, None, memory, kv_start, start, scale, kind="quantized", source="summaries", **rules)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", SCORED_KINDS)
 def test_score_blocks_gpu_large(kind):
     """Decode shapes on the GPU: Llama-8B at batch 8 / 32k (1,030 blocks of 32) and batch 1 / 128k (4,097 blocks:
     many splits per (sequence, head)), Qwen2.5-1.5B's 5 verify queries at 30k in blocks of 16; bf16."""
