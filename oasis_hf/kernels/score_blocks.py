@@ -8,7 +8,8 @@ upper bound ``relu(q) . hi + min(q, 0) . lo`` (one bound, two dot products), or 
 (``mean+minmax``). The rows are summed, so the group shares one selection. A ``quantized`` summary scores tokens:
 a row's softmax runs over every real token of the choosable blocks, its logit against the key dequantized from
 its codes and its block's bounds, and a block's share is the sum of its tokens'; a tile then holds ``STEP`` blocks
-of ``BS`` tokens.
+of ``BS`` tokens, worked by planes: the dims whose codes share a bit position of their byte (``4j + p``) form one
+(rows x D/4) query tile, so each code byte and each block's bounds load once and four dots add up the logits.
 
 The blocks of one (sequence, KV head) are split over several programs, so that a batch-1 decode at 128k tokens
 (4,097 blocks, 8 KV heads) still spreads over the GPU: the first launch (``_stats``) computes each split's running
@@ -71,27 +72,68 @@ if triton is not None:
         return out * scale
 
     @triton.jit
-    def _token_logits(q, row_ok, S, CODES, base, code_base, n0, hi_blk, first, num_blocks, kv0, view_end, dims, dim_ok,
-                      stride_sn, scale, LO_AT: tl.constexpr, HI_AT: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_SIZE: tl.constexpr, STEP: tl.constexpr, BITS: tl.constexpr, PER_BYTE: tl.constexpr,
-                      DOT_FP32: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    def _query_plane(Q, b, h, stride_qb, stride_qh, stride_qt, PLANE: tl.constexpr, GROUP: tl.constexpr,
+                     NUM_ROWS_T: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_M: tl.constexpr,
+                     PER_BYTE: tl.constexpr, DOT_FP32: tl.constexpr):  # fmt: skip
+        """The query tile's dims ``j * PER_BYTE + PLANE`` as a (BLOCK_M, BLOCK_J) tile: the dims whose codes sit at
+        bit ``BITS * PLANE`` of byte `j` (rows as in `load_query_tile`, zero past the real ones)."""
+        rows = tl.arange(0, BLOCK_M)
+        g = rows // NUM_ROWS_T
+        t = rows % NUM_ROWS_T
+        dims = tl.arange(0, BLOCK_J) * PER_BYTE + PLANE
+        mask = (rows < GROUP * NUM_ROWS_T)[:, None] & (dims < HEAD_DIM)[None, :]
+        q = tl.load(Q + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + t[:, None] * stride_qt + dims[None, :],
+                    mask=mask, other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+        return q
+
+    @triton.jit
+    def _plane_logits(q, byte, S, boffs, bmask, stride_sn, PLANE: tl.constexpr, LO_AT: tl.constexpr,
+                      HI_AT: tl.constexpr, BLOCK_SIZE: tl.constexpr, STEP: tl.constexpr, BLOCK_J: tl.constexpr,
+                      BITS: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+        """(BLOCK_M, STEP * BS) dot products of one plane of the query with the same plane of the tokens' keys,
+        dequantized from `byte` (STEP * BS, BLOCK_J) with their block's bounds (loaded once per block)."""
+        lo = tl.load(S + LO_AT * stride_sn + boffs + PLANE, mask=bmask, other=0.0).to(tl.float32)  # (STEP, J)
+        hi = tl.load(S + HI_AT * stride_sn + boffs + PLANE, mask=bmask, other=0.0).to(tl.float32)
+        code = ((byte >> (BITS * PLANE)) & ((1 << BITS) - 1)).to(tl.float32)
+        k = tl.reshape(code, (STEP, BLOCK_SIZE, BLOCK_J)) * ((hi - lo) / ((1 << BITS) - 1))[:, None, :] \
+            + lo[:, None, :]
+        k = tl.reshape(k, (STEP * BLOCK_SIZE, BLOCK_J))
+        return _dot(q, k if DOT_FP32 else k.to(q.dtype), IEEE)
+
+    @triton.jit
+    def _token_logits(q0, q1, q2, q3, row_ok, S, CODES, base, code_base, n0, hi_blk, first, num_blocks, kv0,
+                      view_end, stride_sn, scale, LO_AT: tl.constexpr, HI_AT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      BLOCK_J: tl.constexpr, BLOCK_SIZE: tl.constexpr, STEP: tl.constexpr, BITS: tl.constexpr,
+                      PER_BYTE: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
         """(BLOCK_M, STEP * BS) logits of the tokens of blocks ``n0 .. n0 + STEP - 1`` against their dequantized
-        keys (``-inf`` where not allowed), and the allowed mask: real tokens of the view in choosable blocks."""
+        keys (``-inf`` where not allowed), and the allowed mask: real tokens of the view in choosable blocks.
+
+        Per plane (the dims whose codes share a bit position, `q0` .. `q3` from `_query_plane`): each token's code
+        bytes load once, (STEP * BS, D / PER_BYTE), and each block's bounds once, broadcast over its tokens."""
+        tl.static_assert(PER_BYTE == 4, "the token path unpacks four codes per byte")
         tok = tl.arange(0, STEP * BLOCK_SIZE)
         blk = n0 + tok // BLOCK_SIZE
         pos = blk * BLOCK_SIZE + tok % BLOCK_SIZE
         tok_ok = (blk < hi_blk) & (blk >= first) & (blk < num_blocks) & (pos >= kv0) & (pos < view_end)
-        mask = tok_ok[:, None] & dim_ok[None, :]
-        offs = base + blk[:, None] * HEAD_DIM + dims[None, :]
-        lo = tl.load(S + LO_AT * stride_sn + offs, mask=mask, other=0.0).to(tl.float32)
-        hi = tl.load(S + HI_AT * stride_sn + offs, mask=mask, other=0.0).to(tl.float32)
-        byte = tl.load(CODES + code_base + pos[:, None] * (HEAD_DIM // PER_BYTE) + (dims // PER_BYTE)[None, :],
-                       mask=mask, other=0)
-        code = (byte.to(tl.int32) >> (BITS * (dims % PER_BYTE))[None, :]) & ((1 << BITS) - 1)
-        k = lo + code.to(tl.float32) * ((hi - lo) / ((1 << BITS) - 1))
+        j = tl.arange(0, BLOCK_J)
+        j_ok = j < HEAD_DIM // PER_BYTE
+        byte = tl.load(CODES + code_base + pos[:, None] * (HEAD_DIM // PER_BYTE) + j[None, :],
+                       mask=tok_ok[:, None] & j_ok[None, :], other=0).to(tl.int32)
+        bcols = n0 + tl.arange(0, STEP)
+        bmask = ((bcols < hi_blk) & (bcols < num_blocks))[:, None] & j_ok[None, :]
+        boffs = base + bcols[:, None] * HEAD_DIM + j[None, :] * PER_BYTE
+        x = _plane_logits(q0, byte, S, boffs, bmask, stride_sn, 0, LO_AT, HI_AT, BLOCK_SIZE, STEP, BLOCK_J, BITS,
+                          DOT_FP32, IEEE)
+        x += _plane_logits(q1, byte, S, boffs, bmask, stride_sn, 1, LO_AT, HI_AT, BLOCK_SIZE, STEP, BLOCK_J, BITS,
+                           DOT_FP32, IEEE)
+        x += _plane_logits(q2, byte, S, boffs, bmask, stride_sn, 2, LO_AT, HI_AT, BLOCK_SIZE, STEP, BLOCK_J, BITS,
+                           DOT_FP32, IEEE)
+        x += _plane_logits(q3, byte, S, boffs, bmask, stride_sn, 3, LO_AT, HI_AT, BLOCK_SIZE, STEP, BLOCK_J, BITS,
+                           DOT_FP32, IEEE)
         allowed = row_ok[:, None] & tok_ok[None, :]
-        x = _dot(q, k if DOT_FP32 else k.to(q.dtype), IEEE) * scale
-        return tl.where(allowed, x, float("-inf")), allowed
+        return tl.where(allowed, x * scale, float("-inf")), allowed
 
     @triton.jit
     def _view(START, KV_START, b, START_OFFSET: tl.constexpr, NUM_TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
@@ -118,7 +160,7 @@ if triton is not None:
         CHANNELS: tl.constexpr, FIRST_BOUND: tl.constexpr, MEAN_AT: tl.constexpr, LO_AT: tl.constexpr,
         HI_AT: tl.constexpr, START_OFFSET: tl.constexpr, NUM_TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         DOT_FP32: tl.constexpr, IEEE: tl.constexpr, TOKENS: tl.constexpr, STEP: tl.constexpr, BITS: tl.constexpr,
-        PER_BYTE: tl.constexpr,
+        PER_BYTE: tl.constexpr, BLOCK_J: tl.constexpr,
     ):  # fmt: skip
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -128,6 +170,15 @@ if triton is not None:
                                                              NUM_ROWS_T, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_FP32)
         view_start, num_blocks, first = _view(START, KV_START, b, START_OFFSET, NUM_TOKENS, BLOCK_SIZE)
         kv0 = tl.load(KV_START + b).to(tl.int64)
+        if TOKENS:  # the query split into the four planes of the codes, once per program
+            q0 = _query_plane(Q, b, h, stride_qb, stride_qh, stride_qt, 0, GROUP, NUM_ROWS_T, HEAD_DIM, BLOCK_J,
+                              BLOCK_M, PER_BYTE, DOT_FP32)
+            q1 = _query_plane(Q, b, h, stride_qb, stride_qh, stride_qt, 1, GROUP, NUM_ROWS_T, HEAD_DIM, BLOCK_J,
+                              BLOCK_M, PER_BYTE, DOT_FP32)
+            q2 = _query_plane(Q, b, h, stride_qb, stride_qh, stride_qt, 2, GROUP, NUM_ROWS_T, HEAD_DIM, BLOCK_J,
+                              BLOCK_M, PER_BYTE, DOT_FP32)
+            q3 = _query_plane(Q, b, h, stride_qb, stride_qh, stride_qt, 3, GROUP, NUM_ROWS_T, HEAD_DIM, BLOCK_J,
+                              BLOCK_M, PER_BYTE, DOT_FP32)
         base = b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
         code_base = b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
         lo_blk = split * per_split
@@ -138,9 +189,9 @@ if triton is not None:
         l1 = tl.zeros([BLOCK_M], tl.float32)
         for n0 in range(lo_blk, hi_blk, STEP):
             if TOKENS:
-                x, allowed = _token_logits(q, row_ok, S, CODES, base, code_base, n0, hi_blk, first, num_blocks, kv0,
-                                           view_start + NUM_TOKENS, dims, dim_ok, stride_sn, scale, LO_AT, HI_AT,
-                                           HEAD_DIM, BLOCK_SIZE, STEP, BITS, PER_BYTE, DOT_FP32, IEEE)
+                x, allowed = _token_logits(q0, q1, q2, q3, row_ok, S, CODES, base, code_base, n0, hi_blk, first,
+                                           num_blocks, kv0, view_start + NUM_TOKENS, stride_sn, scale, LO_AT, HI_AT,
+                                           HEAD_DIM, BLOCK_J, BLOCK_SIZE, STEP, BITS, PER_BYTE, DOT_FP32, IEEE)
             else:
                 cols = n0 + tl.arange(0, BLOCK_N)
                 ok = (cols < hi_blk) & (cols >= first)
@@ -193,7 +244,7 @@ if triton is not None:
         MEAN_AT: tl.constexpr, LO_AT: tl.constexpr, HI_AT: tl.constexpr, START_OFFSET: tl.constexpr,
         NUM_TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr, MEMORY: tl.constexpr, MEMORY_WRITE: tl.constexpr,
         DOT_FP32: tl.constexpr, IEEE: tl.constexpr, TOKENS: tl.constexpr, STEP: tl.constexpr, BITS: tl.constexpr,
-        PER_BYTE: tl.constexpr,
+        PER_BYTE: tl.constexpr, BLOCK_J: tl.constexpr,
     ):  # fmt: skip
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -210,6 +261,15 @@ if triton is not None:
             base = b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
             code_base = b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
             kv0 = tl.load(KV_START + b).to(tl.int64)
+            if TOKENS:  # the query split into the four planes of the codes, once per program
+                q0 = _query_plane(Q, b, h, stride_qb, stride_qh, stride_qt, 0, GROUP, NUM_ROWS_T, HEAD_DIM, BLOCK_J,
+                                  BLOCK_M, PER_BYTE, DOT_FP32)
+                q1 = _query_plane(Q, b, h, stride_qb, stride_qh, stride_qt, 1, GROUP, NUM_ROWS_T, HEAD_DIM, BLOCK_J,
+                                  BLOCK_M, PER_BYTE, DOT_FP32)
+                q2 = _query_plane(Q, b, h, stride_qb, stride_qh, stride_qt, 2, GROUP, NUM_ROWS_T, HEAD_DIM, BLOCK_J,
+                                  BLOCK_M, PER_BYTE, DOT_FP32)
+                q3 = _query_plane(Q, b, h, stride_qb, stride_qh, stride_qt, 3, GROUP, NUM_ROWS_T, HEAD_DIM, BLOCK_J,
+                                  BLOCK_M, PER_BYTE, DOT_FP32)
             m0, inv0 = _normaliser(M_PART, L_PART, bh, 0, BLOCK_M, NUM_SPLITS, SPLITS_P2)
             if CHANNELS == 2:
                 m1, inv1 = _normaliser(M_PART, L_PART, bh, 1, BLOCK_M, NUM_SPLITS, SPLITS_P2)
@@ -218,9 +278,9 @@ if triton is not None:
             in_cap = cols < hi_blk
             ok = in_cap & (cols >= first) & (cols < num_blocks)
             if SOURCE == 0 and TOKENS:
-                x, allowed = _token_logits(q, row_ok, S, CODES, base, code_base, n0, hi_blk, first, num_blocks, kv0,
-                                           view_start + NUM_TOKENS, dims, dim_ok, stride_sn, scale, LO_AT, HI_AT,
-                                           HEAD_DIM, BLOCK_SIZE, STEP, BITS, PER_BYTE, DOT_FP32, IEEE)
+                x, allowed = _token_logits(q0, q1, q2, q3, row_ok, S, CODES, base, code_base, n0, hi_blk, first,
+                                           num_blocks, kv0, view_start + NUM_TOKENS, stride_sn, scale, LO_AT, HI_AT,
+                                           HEAD_DIM, BLOCK_J, BLOCK_SIZE, STEP, BITS, PER_BYTE, DOT_FP32, IEEE)
                 shares = tl.sum(tl.where(allowed, tl.exp(x - m0[:, None]) * inv0[:, None], 0.0), axis=0)
                 score = tl.sum(tl.reshape(shares, (STEP, BLOCK_SIZE)), axis=1)
             elif SOURCE == 0:
@@ -336,7 +396,7 @@ def score_blocks(
         START_OFFSET=start_offset, NUM_TOKENS=num_tokens, BLOCK_SIZE=block_size,
         DOT_FP32=INTERPRET or query.dtype == torch.float32, IEEE=not INTERPRET and query.dtype == torch.float32,
         TOKENS=tokens, STEP=max(2, _BLOCK_N // block_size) if tokens else _BLOCK_N, BITS=CODE_BITS,
-        PER_BYTE=CODES_PER_BYTE,
+        PER_BYTE=CODES_PER_BYTE, BLOCK_J=max(16, triton.next_power_of_2(head_dim // CODES_PER_BYTE)),
     )  # fmt: skip
     strides = (query.stride(0), query.stride(1), query.stride(2), summaries.stride(0), summaries.stride(1),
                summaries.stride(2), codes.stride(0) if tokens else 0, codes.stride(1) if tokens else 0)
