@@ -66,8 +66,8 @@ def test_plain_forwards_between_graph_steps(device):
     fields = dict(SMALL, selector="lookahead")
 
     def written(cache):  # every layer's keys in the host store: a step at a wrong position writes elsewhere
-        if device == "cuda":  # an eager forward's write-back is joined only by the next reader of its rows (the
-            torch.cuda.synchronize()  # library's wait on `writeback_event`); this test reads the store directly
+        if device == "cuda":  # no step waits for the GPU, so the host runs several steps ahead of it: let the
+            torch.cuda.synchronize()  # last steps (and their write-backs) finish before reading host memory
         return [cache.host.read_keys(layer.layer_idx, layer.length).float().cpu() for layer in cache.oasis_layers]
 
     with oasis_cache(model, **fields) as cache:
