@@ -40,8 +40,9 @@ def block_scores(layer: OasisLayer, query: torch.Tensor, scale: float, start: to
     cfg = layer.config
     selector = layer.cache.selector
     if raw is None and selector.scoring == "custom":
-        raw = selector.score(ScoringContext(layer.summaries.data, cfg.kernel_backend, layer.exact_block_mass),
-                             query, scale)
+        context = ScoringContext(layer.summaries.data, cfg.kernel_backend, layer.exact_block_mass,
+                                 layer.summaries.kind, layer.summaries.codes)
+        raw = selector.score(context, query, scale)
     score = score_blocks if use_triton(query, cfg.kernel_backend) else score_blocks_ref
     return score(
         query, layer.summaries.data, raw, layer.score_memory, layer.kv_start, start, scale,

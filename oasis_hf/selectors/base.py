@@ -14,13 +14,19 @@ import torch
 class ScoringContext:
     """What a selector with ``scoring = "custom"`` may read of the layer whose blocks it scores."""
 
-    #: (B, H_kv, NB_cap, D_s) float32 block summaries (`OasisConfig.summary`: mean keys, min/max bounds or both).
+    #: (n, B, H_kv, NB_cap, D) block summaries in the model's dtype, in the layout `SUMMARY_LAYOUT[kind]` gives
+    #: (`oasis_hf.kernels.ref`): mean keys, per-channel lo / hi bounds, or both.
     summaries: torch.Tensor
     #: `OasisConfig.kernel_backend` of the cache.
     kernel_backend: str
     #: ``exact_block_mass(query, scale)``: (B, H_kv, NB_cap) exact softmax attention mass of `query` (B, H_q, T, D)
     #: per block, from the full keys in host memory (reads them back and synchronises: not capturable).
     exact_block_mass: Callable[[torch.Tensor, float], torch.Tensor]
+    #: `OasisConfig.summary`: what `summaries` holds.
+    kind: str = "mean"
+    #: ``quantized`` only: (B, H_kv, NB_cap, BS, D // CODES_PER_BYTE) uint8 codes of every key inside its block's
+    #: bounds (`oasis_hf.kernels.ref.dequantize_blocks` turns them back into keys); None otherwise.
+    codes: torch.Tensor | None = None
 
 
 class BlockSelector(ABC):

@@ -204,3 +204,38 @@ def test_summaries_after_decoding_describe_the_host_keys(family, summary):
             torch.testing.assert_close(layer.summaries.data[:, :, :, :nb], fresh.data, atol=1e-5, rtol=1e-5)
             if summary == "quantized":
                 assert torch.equal(layer.summaries.codes[:, :, :nb], fresh.codes)
+
+
+@pytest.mark.parametrize("summary", ["mean", "quantized"])
+def test_a_custom_selector_reads_the_summary_kind_and_its_codes(summary):
+    """A selector with ``scoring = "custom"`` gets the layer's summaries with their kind, and for ``quantized`` the
+    key codes, which dequantize into keys within one quantization step of the keys in the host store."""
+    from oasis_hf.kernels.ref import dequantize_blocks
+    from oasis_hf.selectors.oracle import OracleSelector
+
+    seen = []
+
+    class Recording(OracleSelector):  # the oracle's exact scores, so decoding goes on as with the oracle
+        def score(self, context, query, scale):
+            seen.append(context)
+            return super().score(context, query, scale)
+
+    model = tiny_model("llama", attn="oasis")
+    ids, mask = left_padded([150])
+    with oasis_cache(model, selector="oracle", summary=summary, **SMALL) as cache:
+        cache.selector = Recording()
+        generate(model, ids, mask, cache)
+        assert seen, "the custom selector was never asked to score"
+        context, layer = seen[-1], cache.oasis_layers[-1]
+        assert context.kind == summary and context.summaries is layer.summaries.data
+        if summary == "mean":
+            assert context.codes is None
+            return
+        assert context.codes is layer.summaries.codes
+        n = layer.length
+        nb = n // 16  # whole blocks only
+        keys = cache.host.read_keys(layer.layer_idx, nb * 16).float().unflatten(2, (nb, 16))
+        bounds = context.summaries[:, :, :, :nb].float()
+        back = dequantize_blocks(context.codes[:, :, :nb], bounds)
+        step = (bounds[1] - bounds[0])[..., None, :] / 3
+        assert bool(((back - keys).abs() <= step / 2 + 1e-4).all())
