@@ -333,7 +333,9 @@ def floor_rows(model, budget: int, batch: int, context: int, bandwidth: float,
     """The floor: weights + the K/V each method attends over (+ one read of the summaries for scoring selectors) at
     `bandwidth`, the summaries those of `OasisConfig(**fields)`. `model` may live on the meta device: only its
     parameter sizes and config are read."""
-    config = oasis_hf.OasisConfig(budget_tokens=budget, **(fields or {}))
+    # Only the summary and its block size set the floor (other fields may need a selector this default lacks).
+    shape = {name: value for name, value in (fields or {}).items() if name in ("summary", "block_size")}
+    config = oasis_hf.OasisConfig(budget_tokens=budget, **shape)
     # Per block, layer and KV head, each summary vector (mean key, lower and upper bound) takes one token's key bytes,
     # a quantized summary's codes an eighth of them per token (bf16 keys).
     vectors = summary_key_vectors(config.summary, config.block_size)

@@ -95,6 +95,13 @@ class OasisConfig:
         memory, whichever is larger (the memory is read, not updated), so it evicts the residents that neither this
         step nor the recent ones rate, not the ones this step's queries rate lowest, which the next background job
         would fetch back. Needs ``score_decay > 0``. Default False (the step's own queries alone).
+    selection_interval : int
+        Asynchronous selectors (``lookahead``, ``previous-query``) only: each layer runs its selection job (score,
+        plan, fetch) after every Nth decode forward and keeps the blocks the last job chose in between (new tokens
+        still land in their blocks, the recent window still slides, the in-step correction still runs). A job
+        beside the step slows the step's weight GEMMs whatever it moves (about 12-15 us per layer-step at batch 8
+        on the Llama-8B shape), so fewer jobs make a faster step, for a selection up to N - 1 forwards older.
+        Default 1 (every forward).
     fetch_programs : int | None
         GPU programs (thread blocks) the gather kernel of a *background* selection job may use; each loops over its
         share of the delta. A program reading host memory holds its SM while it waits on PCIe, so an uncapped
@@ -213,6 +220,7 @@ class OasisConfig:
     max_fetch_blocks: int | None = 16
     sync_fetch_blocks: int = 0
     sync_fetch_memory: bool = False
+    selection_interval: int = 1
     fetch_programs: int | None = 16
     kernel_backend: str = "auto"
     host_capacity_tokens: int | None = None
@@ -285,6 +293,12 @@ class OasisConfig:
             raise bad("sync_fetch_blocks", self.sync_fetch_blocks,
                       f"it corrects an asynchronous selector (lookahead, previous-query) inside the step; "
                       f"{self.selector!r} selects inside the step already (its cap is max_fetch_blocks): set 0")
+        if not _is_int(self.selection_interval) or self.selection_interval < 1:
+            raise bad("selection_interval", self.selection_interval, "use a positive int (1: a job every forward)")
+        if self.selection_interval > 1 and not SELECTORS[self.selector].asynchronous:
+            raise bad("selection_interval", self.selection_interval,
+                      f"it spaces the background jobs of an asynchronous selector (lookahead, previous-query); "
+                      f"{self.selector!r} selects inside every step: set 1")
         if self.fetch_programs is not None and (
             not isinstance(self.fetch_programs, int) or isinstance(self.fetch_programs, bool)
             or self.fetch_programs < 1

@@ -9,6 +9,8 @@ and joined before the graph ends. A replay costs a few launches: the host copies
 and copies the logits out. The step's first position lives in a device scalar that every forward advances by its
 ``T`` at its end, so a run of steps of one ``T`` with nothing in between (plain decoding) never writes it from the
 host; after a `OasisCache.crop` or a change of ``T`` (speculative decoding) the host fills it before the replay.
+With `OasisConfig.selection_interval` N > 1 a forward forks the selection jobs only every Nth time, and each ``T``
+has two graphs, one with the jobs and one without, each warmed up and captured on its own.
 
 It runs our own decode loops (`oasis_hf.speculative_generate(..., target_graphs=True)`, ``eval.bench_decode``),
 not ``model.generate``. Requirements, checked with a clear error: every cache layer is an `OasisLayer` (no sliding
@@ -115,8 +117,10 @@ class DecodeGraph:
         self.model = model
         self._cache = weakref.ref(cache)  # the cache owns its runner (`OasisCache.graph_runner`): no cycle
         self._kwarg = compat.cache_kwarg(model)
-        self._graphs: dict[int, _Captured] = {}
-        self._warm: dict[int, tuple[int, int]] = {}  # T -> (the table epoch its eager runs saw, how many ran)
+        # Keyed by (T, whether the forward forks the selection jobs: `OasisConfig.selection_interval` alternates).
+        self._graphs: dict[tuple[int, bool], _Captured] = {}
+        self._warm: dict[tuple[int, bool], tuple[int, int]] = {}  # -> (the table epoch its eager runs saw, runs)
+        self.with_job = False  # this forward forks every layer's selection job (read by the layers)
         self._compiled = None  # the model through torch.compile (OasisConfig.compile_model), built on first use
         self._starts: dict[torch.device, torch.Tensor] = {}  # (2,) long per device: the step's first position, end
         # What the device scalars hold once the queued forwards ran ((first position, end) per device): every forward
@@ -209,13 +213,15 @@ class DecodeGraph:
             scalars[0].fill_(start)  # fill kernels with the values as arguments: no host buffer to race with
             scalars[1].fill_(start + num_tokens)
         epoch = cache.table_epoch
-        entry = self._graphs.get(num_tokens)
+        self.with_job = layers[0].job_due()  # every layer has run as many decode forwards
+        key = (num_tokens, self.with_job)
+        entry = self._graphs.get(key)
         graphs = device.type == "cuda" and cache.config.cuda_graphs
-        warm_epoch, warm_runs = self._warm.get(num_tokens, (None, 0))
+        warm_epoch, warm_runs = self._warm.get(key, (None, 0))
         if graphs and entry is not None and entry.epoch == epoch:
             logits = self._replay(entry, input_ids, position_ids)
         elif graphs and warm_epoch == epoch and warm_runs >= self._warmups:
-            entry = self._graphs[num_tokens] = self._capture(input_ids, position_ids, epoch)
+            entry = self._graphs[key] = self._capture(input_ids, position_ids, epoch)
             logits = self._replay(entry, input_ids, position_ids)
         else:
             current = torch.cuda.current_stream(device) if device.type == "cuda" else None
@@ -225,14 +231,15 @@ class DecodeGraph:
             if runs < self._warmups and self._shape(input_ids) in _SETTLED.get(self.model, ()) \
                     and _compilations() == compiled_before:
                 runs = self._warmups  # torch.compile has nothing left to settle for this shape: capture next
-            self._warm[num_tokens] = (epoch, runs)
+            self._warm[key] = (epoch, runs)
         self._expected[device] = (start + num_tokens, start + 2 * num_tokens)  # what the forward left there
         for layer in layers:
             layer.length = start + num_tokens
+            layer.decode_forwards += 1
         self.steps += 1
         stats = cache.stats
         stats.decode_layer_steps += len(layers)
-        if cache.selector.asynchronous:
+        if self.with_job:
             stats.prefetch_jobs += len(layers)
         return logits
 

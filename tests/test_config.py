@@ -44,6 +44,9 @@ BAD = [
     ("sync_fetch_blocks", -1, "non-negative int"),
     ("sync_fetch_blocks", True, "non-negative int"),
     ("sync_fetch_blocks", 2, "selects inside the step already"),  # the default selector is current-query
+    ("selection_interval", 0, "positive int"),
+    ("selection_interval", 1.5, "positive int"),
+    ("selection_interval", 2, "selects inside every step"),  # the default selector is current-query
     ("sync_fetch_memory", 1, "True or False"),
     ("sync_fetch_memory", True, "set sync_fetch_blocks > 0"),  # no correction to rank
 ]
@@ -64,6 +67,13 @@ def test_frozen_roundtrip_and_unknown_keys():
     with pytest.raises(ValueError, match="unknown OasisConfig field"):
         OasisConfig.from_dict({"budget": 1024})
     assert cfg.budget_blocks == 32 and cfg.sink_blocks == 1 and cfg.recent_blocks == 5
+
+
+def test_selection_interval_is_for_asynchronous_selectors():
+    for selector in ("lookahead", "previous-query"):
+        assert OasisConfig(selector=selector, selection_interval=4).selection_interval == 4
+    with pytest.raises(ValueError, match="selects inside every step"):
+        OasisConfig(selector="oracle", selection_interval=2)
 
 
 def test_pinned_host_memory_without_cuda_is_refused_when_the_config_is_made():

@@ -126,6 +126,26 @@ def test_whole_step_path_with_layer_budgets_equals_ordinary_decoding(selector, s
         assert stats["graph_replays"] > 0
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("selector", ["lookahead", "previous-query"])
+def test_selection_interval_spaces_the_jobs_alike_on_both_paths(selector, device):
+    """`selection_interval=3`: a layer's selection job follows decode forwards 0, 3, 6, ... only. The whole-step
+    path (on CUDA one captured graph with the jobs and one without) picks, fetches and attends as ordinary decoding
+    does, with a third of the jobs, and moves fewer blocks than a job after every forward."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = tiny_model("llama", attn="oasis", device=device, dtype=dtype)
+    ids, mask = left_padded([230, 200], seed=11)
+    ids, mask = ids.to(device), mask.to(device)
+    steps = 20
+    every = _graph_path_matches(model, ids, mask, steps, dict(SMALL, selector=selector))
+    spaced = _graph_path_matches(model, ids, mask, steps, dict(SMALL, selector=selector, selection_interval=3))
+    assert every["prefetch_jobs"] == steps * 2
+    assert spaced["prefetch_jobs"] == len(range(0, steps, 3)) * 2
+    assert 0 < spaced["fetched_blocks"] < every["fetched_blocks"]
+    if device == "cuda":
+        assert spaced["graph_replays"] > 0
+
+
 @pytest.mark.gpu
 def test_compiled_whole_step_graphs_verify_drafts_on_cuda():
     """compile_model with speculative verification: forwards of several T (a captured graph each, every T warmed

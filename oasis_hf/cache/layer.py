@@ -92,6 +92,9 @@ class OasisLayer(CacheLayerMixin):
         self._aranges: dict[int, torch.Tensor] = {}
         self.step_graphs = StepGraphs()  # T -> captured decode step (CUDA)
         self.jobs = SelectionJobs(self)  # the selection jobs of an asynchronous selector
+        #: Decode forwards this layer ran since its prefill (eager or in a `DecodeGraph`): with
+        #: `OasisConfig.selection_interval` N, the selection job follows forwards 0, N, 2N, ...
+        self.decode_forwards = 0
 
     @property
     def cache(self) -> OasisCache:
@@ -208,6 +211,7 @@ class OasisLayer(CacheLayerMixin):
         self.jobs.clear()
         self.jobs.stage_pending = False
         self.length = 0
+        self.decode_forwards = 0
         self._pending = None
         self.kv_start = None
         if self.is_initialized:
@@ -323,9 +327,15 @@ class OasisLayer(CacheLayerMixin):
             out = self.decode_step(query, key, value, start_src, scale, write_back=False)
         if self.config.measure_recall:
             scoring.measure_recall(self, query, scale)
-        if self.cache.selector.asynchronous:
+        if self.job_due():
             self.jobs.submit(query_src, start_src, query.shape[2], scale, graphed)
+        self.decode_forwards += 1
         return out
+
+    def job_due(self) -> bool:
+        """Whether this layer's next decode forward is followed by a selection job: an asynchronous selector, on
+        every `OasisConfig.selection_interval`-th forward."""
+        return self.cache.selector.asynchronous and self.decode_forwards % self.config.selection_interval == 0
 
     def _graph_step(self, query, key, value, scale: float) -> torch.Tensor:
         """This layer's part of a whole-model decode step (`oasis_hf.DecodeGraph`), run eagerly or under its capture.
@@ -343,7 +353,7 @@ class OasisLayer(CacheLayerMixin):
         else:  # CPU (never captured): write the rows to host first, as an eager step does
             self.cache.host.write(self.layer_idx, key, value, int(start))
             out = self.decode_step(query, key, value, start, scale, write_back=False, end=end)
-        if self.cache.selector.asynchronous:
+        if step.with_job:  # decided per forward by the runner (`job_due`), one captured graph each way
             stream = step.fork(self.device)
             if stream is not None:
                 # `query` comes from the compute stream and dies there after this layer, while the job still reads
