@@ -89,6 +89,21 @@ if triton is not None:
         return q
 
     @triton.jit
+    def _query_planes(Q, b, h, stride_qb, stride_qh, stride_qt, GROUP: tl.constexpr, NUM_ROWS_T: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_M: tl.constexpr, PER_BYTE: tl.constexpr,
+                      DOT_FP32: tl.constexpr):  # fmt: skip
+        """The four `_query_plane` tiles of the codes' bit positions, loaded once per program."""
+        tl.static_assert(PER_BYTE == 4, "the token path unpacks four codes per byte")
+        return (_query_plane(Q, b, h, stride_qb, stride_qh, stride_qt, 0, GROUP, NUM_ROWS_T, HEAD_DIM, BLOCK_J,
+                             BLOCK_M, PER_BYTE, DOT_FP32),
+                _query_plane(Q, b, h, stride_qb, stride_qh, stride_qt, 1, GROUP, NUM_ROWS_T, HEAD_DIM, BLOCK_J,
+                             BLOCK_M, PER_BYTE, DOT_FP32),
+                _query_plane(Q, b, h, stride_qb, stride_qh, stride_qt, 2, GROUP, NUM_ROWS_T, HEAD_DIM, BLOCK_J,
+                             BLOCK_M, PER_BYTE, DOT_FP32),
+                _query_plane(Q, b, h, stride_qb, stride_qh, stride_qt, 3, GROUP, NUM_ROWS_T, HEAD_DIM, BLOCK_J,
+                             BLOCK_M, PER_BYTE, DOT_FP32))
+
+    @triton.jit
     def _plane_logits(q, byte, S, boffs, bmask, stride_sn, PLANE: tl.constexpr, LO_AT: tl.constexpr,
                       HI_AT: tl.constexpr, BLOCK_SIZE: tl.constexpr, STEP: tl.constexpr, BLOCK_J: tl.constexpr,
                       BITS: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
@@ -171,14 +186,8 @@ if triton is not None:
         view_start, num_blocks, first = _view(START, KV_START, b, START_OFFSET, NUM_TOKENS, BLOCK_SIZE)
         kv0 = tl.load(KV_START + b).to(tl.int64)
         if TOKENS:  # the query split into the four planes of the codes, once per program
-            q0 = _query_plane(Q, b, h, stride_qb, stride_qh, stride_qt, 0, GROUP, NUM_ROWS_T, HEAD_DIM, BLOCK_J,
-                              BLOCK_M, PER_BYTE, DOT_FP32)
-            q1 = _query_plane(Q, b, h, stride_qb, stride_qh, stride_qt, 1, GROUP, NUM_ROWS_T, HEAD_DIM, BLOCK_J,
-                              BLOCK_M, PER_BYTE, DOT_FP32)
-            q2 = _query_plane(Q, b, h, stride_qb, stride_qh, stride_qt, 2, GROUP, NUM_ROWS_T, HEAD_DIM, BLOCK_J,
-                              BLOCK_M, PER_BYTE, DOT_FP32)
-            q3 = _query_plane(Q, b, h, stride_qb, stride_qh, stride_qt, 3, GROUP, NUM_ROWS_T, HEAD_DIM, BLOCK_J,
-                              BLOCK_M, PER_BYTE, DOT_FP32)
+            q0, q1, q2, q3 = _query_planes(Q, b, h, stride_qb, stride_qh, stride_qt, GROUP, NUM_ROWS_T,
+                                           HEAD_DIM, BLOCK_J, BLOCK_M, PER_BYTE, DOT_FP32)
         base = b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
         code_base = b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
         lo_blk = split * per_split
@@ -262,14 +271,8 @@ if triton is not None:
             code_base = b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
             kv0 = tl.load(KV_START + b).to(tl.int64)
             if TOKENS:  # the query split into the four planes of the codes, once per program
-                q0 = _query_plane(Q, b, h, stride_qb, stride_qh, stride_qt, 0, GROUP, NUM_ROWS_T, HEAD_DIM, BLOCK_J,
-                                  BLOCK_M, PER_BYTE, DOT_FP32)
-                q1 = _query_plane(Q, b, h, stride_qb, stride_qh, stride_qt, 1, GROUP, NUM_ROWS_T, HEAD_DIM, BLOCK_J,
-                                  BLOCK_M, PER_BYTE, DOT_FP32)
-                q2 = _query_plane(Q, b, h, stride_qb, stride_qh, stride_qt, 2, GROUP, NUM_ROWS_T, HEAD_DIM, BLOCK_J,
-                                  BLOCK_M, PER_BYTE, DOT_FP32)
-                q3 = _query_plane(Q, b, h, stride_qb, stride_qh, stride_qt, 3, GROUP, NUM_ROWS_T, HEAD_DIM, BLOCK_J,
-                                  BLOCK_M, PER_BYTE, DOT_FP32)
+                q0, q1, q2, q3 = _query_planes(Q, b, h, stride_qb, stride_qh, stride_qt, GROUP, NUM_ROWS_T,
+                                               HEAD_DIM, BLOCK_J, BLOCK_M, PER_BYTE, DOT_FP32)
             m0, inv0 = _normaliser(M_PART, L_PART, bh, 0, BLOCK_M, NUM_SPLITS, SPLITS_P2)
             if CHANNELS == 2:
                 m1, inv1 = _normaliser(M_PART, L_PART, bh, 1, BLOCK_M, NUM_SPLITS, SPLITS_P2)
