@@ -600,6 +600,39 @@ def test_floor_bench_runs_one_row_per_fetch_program_cap(tmp_path, monkeypatch):
     assert all(r["step vs static"] > 0 for r in rows)
 
 
+def test_floor_bench_interval_variant_runs_whole_cycles_and_scales_the_replayed_delta(tmp_path, monkeypatch, capsys):
+    """Plumbing only, on the CPU: a --variant with selection_interval=N runs no static row of its own (static
+    selection runs no jobs; its lookahead row compares with the base static row), replays N steps' worth of the
+    real-model rate per job, takes the mean over whole job cycles as its step, and an odd --repeats is refused."""
+    import sys
+
+    from eval import bench_floor
+
+    rate = tmp_path / "rate.json"
+    rate.write_text(json.dumps({"rows": [
+        {"task": "qa", "method": "lookahead, plain decoding", "blocks/(seq, head, forward)": 2.4}]}))
+    out = tmp_path / "floor"
+    argv = ["bench_floor", "--device", "cpu", "--shape", "tiny", "--points", "2x600", "--budget", "256",
+            "--warmup", "1", "--repeats", "4", "--compile-model", "off", "--delta-rate", str(rate),
+            "--methods", "oasis-static", "oasis-lookahead-real", "--variant", "every2", "selection_interval=2",
+            "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench_floor.main()
+    rows = [r for r in json.loads(out.with_suffix(".json").read_text())["rows"] if r["kind"].startswith("oasis")]
+    assert [(r["kind"], r["variant"]) for r in rows] == [
+        ("oasis-static", ""), ("oasis-lookahead", ""), ("oasis-lookahead", "every2")]
+    base, every2 = rows[1], rows[2]
+    assert (base["max_fetch_blocks"], every2["max_fetch_blocks"]) == (3, 5)  # ceil(2.4), ceil(2 * 2.4)
+    assert "(5 blocks per (seq, head, job, one per 2 steps))" in every2["method"]
+    assert every2["selection_interval"] == 2 and every2["ms_per_step"] == every2["ms/step (mean)"]
+    assert base["ms_per_step"] == base["ms/step (median)"]
+    assert every2["step vs static"] == every2["ms_per_step"] / rows[0]["ms_per_step"]
+    monkeypatch.setattr(sys, "argv", [a if a != "4" else "3" for a in argv])
+    with pytest.raises(SystemExit):
+        bench_floor.main()
+    assert "needs --repeats a multiple of it" in capsys.readouterr().err
+
+
 def test_floor_bench_config_sets_every_oasis_row_and_its_floor(tmp_path, monkeypatch, capsys):
     """Plumbing only, on the CPU: --config sets OasisConfig fields of every OasisKV row (labelled with them, recorded
     in the row) and the sparse floor counts the summaries they keep; fields the benchmark sets itself are refused
