@@ -36,7 +36,8 @@ sparse floor reads the summaries they keep. ``--variant NAME FIELD=VALUE ...`` (
 once more with those fields on top, in the same process, labelled ``[NAME: ...]``, with a sparse floor of its own
 and its step compared with its own static row (with the base static row when the variant sets
 ``selection_interval``, which static selection does not take). A lookahead row at the real-model rate replays the
-rate times ``selection_interval`` per job (the same bytes per step: an upper bound).
+rate times ``selection_interval`` per job (the same bytes per step: an upper bound), unless the variant sets
+``max_fetch_blocks`` (the one field a variant may set that ``--config`` may not).
 
 ``--isolate`` runs every method of every point in a process of its own (this script, the same arguments, that point
 and method alone), so that no row is timed after another in its process; the parent computes the floor rows (its
@@ -284,9 +285,11 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
                 # A row of another block size moves the measured rate's bytes: blocks scaled by the size ratio. A
                 # job every Nth forward moves N steps' worth, an upper bound (blocks chosen at two of those steps
                 # move once; the 0.5B at 4k moved 1.08x, not 2x, a single step's delta per job at N = 2).
+                # A variant that sets max_fetch_blocks replays that cap instead (e.g. a measured per-job delta).
                 block = int(fields.get("block_size", oasis_hf.OasisConfig.block_size))
                 scale = (args.rate_block_size or block) / block * int(fields.get("selection_interval", 1))
-                fields["max_fetch_blocks"] = max(1, math.ceil(rate * scale))
+                if "max_fetch_blocks" not in extra:
+                    fields["max_fetch_blocks"] = max(1, math.ceil(rate * scale))
             # Static selection moves nothing: one row at the library's cap; the others one per --fetch-programs.
             caps = [{}] if method == "oasis-static" else fetch_program_variants(args)
             # The lookahead rows also run with each --sync-fetch-blocks correction (on random KV the step's own
@@ -538,7 +541,7 @@ def main() -> None:
         jobs_only = any(pair.startswith("selection_interval=") for pair in pairs)  # no static rows (see run_point)
         args.variants[name] = config_fields(parser, pairs, [args.budget], base=args.config,
                                             rows=[(s, {}) for s in selectors if not (jobs_only and s == "static")],
-                                            reserved=RESERVED)
+                                            reserved=tuple(f for f in RESERVED if f != "max_fetch_blocks"))
         interval = int(args.variants[name].get("selection_interval", 1))
         if args.repeats % interval:
             parser.error(f"--variant {name}: selection_interval={interval} needs --repeats a multiple of it (the "
