@@ -8,7 +8,9 @@ marked with a reference to this layer; the ``"oasis"`` attention function then c
   launch (new blocks get slots, evicting the least important unpinned block; the new tokens go into the pool; the
   touched summaries are recomputed), then for a synchronous selector (or, with `OasisConfig.sync_fetch_blocks`, as a
   capped correction of an asynchronous one) the scores (`scoring.block_scores`), the planned delta (`scoring.plan`)
-  and the fetch of the misses from host, and the sparse attention over the resident blocks.
+  and the fetch of the misses from host, and the sparse attention over the resident blocks. ``static`` selects
+  nothing in the step: `append_tokens` evicts the oldest unpinned block for a new one, which keeps its set (the
+  sinks and the latest blocks) as it is; a crop refetches what the dropped blocks had evicted.
   On CUDA the step is a captured graph per ``T`` (`oasis_hf.cache.step_graphs`); an asynchronous selector's job
   (`oasis_hf.cache.selection_jobs`) runs score, plan and fetch after the step, for the next one;
 - **whole-step** (inside `oasis_hf.DecodeGraph`'s forward): the same device work reading the step's position from
@@ -204,6 +206,27 @@ class OasisLayer(CacheLayerMixin):
             self.reset()
             return
         self.table.drop_from(self.config.blocks(self.length))
+        if self.keeps_latest:
+            self._refill_latest()
+
+    @property
+    def keeps_latest(self) -> bool:
+        """Whether this layer's selection is the sinks plus the latest blocks (a synchronous ``recency`` selector:
+        ``static``), kept by `append_tokens` evicting the oldest unpinned block, with no selection in the step."""
+        selector = self.cache.selector
+        return selector.scoring == "recency" and not selector.asynchronous
+
+    def _refill_latest(self) -> None:
+        """After a crop, refetch the older blocks that the dropped ones had evicted, so that a `keeps_latest` layer
+        holds the sinks plus the latest blocks again (its steps only ever add the newest block)."""
+        if self.writeback_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.writeback_event)
+            self.writeback_event = None
+        last = torch.full((), self.length - 1, dtype=torch.long, device=self.device)
+        rows = self.pool_k.new_zeros(self.batch_size, self.num_kv_heads, 1, self.head_dim)  # recency reads no query
+        blocks, slots, valid = scoring.plan(self, scoring.block_scores(self, rows, 1.0, last), None)
+        self.cache.host.fetch(self.layer_idx, blocks, self.pool_k, self.pool_v, slots, valid,
+                              self.config.kernel_backend)
 
     def reset(self) -> None:
         self.jobs.await_job()
@@ -378,8 +401,9 @@ class OasisLayer(CacheLayerMixin):
         Fixed shapes, no host synchronisation and no Python branch on data: every position-dependent quantity is
         derived from `start` on the device, so this function can be captured once in a CUDA graph and replayed at
         every later step of the same ``T``. On CUDA it is a handful of launches: the host write-back (forked),
-        `append_tokens`, for a synchronous selector (or an asynchronous one with `OasisConfig.sync_fetch_blocks`)
-        `score_blocks` + `plan_blocks` + `gather_blocks`, and the sparse attention with its split merge.
+        `append_tokens`, for a synchronous selector but ``static`` (or an asynchronous one with
+        `OasisConfig.sync_fetch_blocks`) `score_blocks` + `plan_blocks` + `gather_blocks`, and the sparse attention
+        with its split merge.
         """
         cfg = self.config
         if write_back:
@@ -392,15 +416,18 @@ class OasisLayer(CacheLayerMixin):
             with torch.cuda.stream(side):
                 self.cache.host.write_at(self.layer_idx, key, value, start)
         kernels = use_triton(query, cfg.kernel_backend)
+        latest = self.keeps_latest
         (append_tokens if kernels else append_tokens_ref)(
             key, value, start, self.pool_k, self.pool_v, self.table.slot_block, self.table.slot_score,
             self.table.block_slot, self.summaries.data, self.kv_start, kind=self.summaries.kind,
             sink_blocks=cfg.sink_blocks, recent_blocks=cfg.recent_blocks, codes=self.summaries.codes,
+            evict_oldest=latest,
         )  # fmt: skip
-        # Selection, delta, fetch (synchronous selectors; asynchronous ones did it after the previous step, and with
-        # `sync_fetch_blocks` correct it here with the step's own queries, a few blocks at most).
-        if not self.cache.selector.asynchronous or cfg.sync_fetch_blocks:
-            asynchronous = self.cache.selector.asynchronous
+        # Selection, delta, fetch (synchronous selectors but `static`, whose set append_tokens keeps; asynchronous
+        # ones did it after the previous step, and with `sync_fetch_blocks` correct it here with the step's own
+        # queries, a few blocks at most).
+        asynchronous = self.cache.selector.asynchronous
+        if (not asynchronous and not latest) or (asynchronous and cfg.sync_fetch_blocks):
             memory = "update" if not asynchronous else "read" if cfg.sync_fetch_memory else "off"
             scores = scoring.block_scores(self, query, scale, start, memory=memory)
             cap = cfg.sync_fetch_blocks if asynchronous else cfg.max_fetch_blocks

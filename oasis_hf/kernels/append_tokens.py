@@ -57,7 +57,7 @@ if triton is not None:
         H_KV: tl.constexpr, NUM_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, SP: tl.constexpr, WIDTH: tl.constexpr,
         MEAN_AT: tl.constexpr, LO_AT: tl.constexpr, HI_AT: tl.constexpr, QUANT: tl.constexpr,
-        BITS: tl.constexpr, PER_BYTE: tl.constexpr,
+        BITS: tl.constexpr, PER_BYTE: tl.constexpr, EVICT_OLDEST: tl.constexpr,
     ):  # fmt: skip
         bh = tl.program_id(0)
         b = bh // H_KV
@@ -83,7 +83,10 @@ if triton is not None:
         score = tl.load(slot_score + j, mask=in_s, other=float("-inf"))
         sink = (resident >= first_real) & (resident < first_real + sink_blocks)
         pinned = (resident >= 0) & (sink | (resident >= tl.minimum(num_blocks - recent_blocks, first)))
-        finite = tl.minimum(score, 3.4028234663852886e38)  # +inf scores rank last among the evictable, as FLT_MAX
+        if EVICT_OLDEST:  # StreamingLLM: the oldest unpinned block goes, whatever its score
+            finite = resident.to(tl.float32)
+        else:  # +inf scores rank last among the evictable, as FLT_MAX
+            finite = tl.minimum(score, 3.4028234663852886e38)
         evict = tl.where(pinned, pos_inf, tl.where(resident < 0, float("-inf"), finite))
         taken = 0x7FFFFFFFFFFFFFFF
         ekey = tl.where(in_s, (_ordered(evict).to(tl.int64) << 32) | j.to(tl.int64), taken)
@@ -204,6 +207,7 @@ def append_tokens(
     sink_blocks: int,
     recent_blocks: int,
     codes: torch.Tensor | None = None,
+    evict_oldest: bool = False,
 ) -> None:
     """Slots, pool rows, table entries and summaries for a forward's ``T`` new tokens, in one launch.
 
@@ -220,6 +224,8 @@ def append_tokens(
     sink_blocks, recent_blocks : the config's geometry (`OasisConfig.sink_blocks`, `.recent_blocks`).
     codes : (B, H_kv, NB_cap, BS, D // CODES_PER_BYTE) uint8, contiguous: a ``quantized`` summary's key codes
         (required for it), updated in place.
+    evict_oldest : a new block takes the slot of the oldest unpinned block (the lowest block index) instead of the
+        lowest-scored one: the ``static`` selector's sinks-plus-latest set, kept without a selection in the step.
 
     Same effect as `append_tokens_ref` (table entries identical; summaries up to float32 summation order).
     Enqueued on the current stream; no host synchronisation, capturable.
@@ -261,7 +267,7 @@ def append_tokens(
         MEAN_AT=layout.index("mean") if "mean" in layout else -1,
         LO_AT=layout.index("lo") if "lo" in layout else -1,
         HI_AT=layout.index("hi") if "hi" in layout else -1,
-        QUANT=quant, BITS=CODE_BITS, PER_BYTE=CODES_PER_BYTE,
+        QUANT=quant, BITS=CODE_BITS, PER_BYTE=CODES_PER_BYTE, EVICT_OLDEST=evict_oldest,
         num_warps=4,
     )  # fmt: skip
 

@@ -423,13 +423,15 @@ def append_tokens_ref(
     sink_blocks: int,
     recent_blocks: int,
     codes: torch.Tensor | None = None,
+    evict_oldest: bool = False,
 ) -> None:
     """The bookkeeping of a decode / verification forward's ``T`` new tokens (twin of `append_tokens`).
 
     1. The blocks the tokens touch that are not resident get slots: the r-th such block takes the r-th cheapest
-       slot (empty first, then the lowest score, lower slot first on ties), never one holding a sink, a recent
-       block (the last `recent_blocks` of the sequence) or a block the new tokens touch; the evicted block leaves
-       the table, the new one enters with score ``+inf``.
+       slot (empty first, then the lowest score, lower slot first on ties; with `evict_oldest` the lowest block
+       index instead of the score), never one holding a sink, a recent block (the last `recent_blocks` of the
+       sequence) or a block the new tokens touch; the evicted block leaves the table, the new one enters with
+       score ``+inf``.
     2. The tokens' K/V are written into their slots.
     3. The summaries of the touched blocks are recomputed from the pool (`summarize_blocks`), and for a
        ``quantized`` summary every key code of those blocks against their new bounds (`quantize_blocks`).
@@ -443,6 +445,7 @@ def append_tokens_ref(
     sink_blocks, recent_blocks : the config's geometry.
     codes : (B, H_kv, NB_cap, BS, D // CODES_PER_BYTE) uint8 key codes of a ``quantized`` summary (required for
         it), updated in place.
+    evict_oldest : evict by age (the ``static`` selector), not by score.
     """
     if kind == "quantized" and codes is None:
         raise ValueError("append_tokens: a 'quantized' summary needs its key codes (codes=...)")
@@ -459,7 +462,7 @@ def append_tokens_ref(
     first_real = (kv_start // block_size).view(-1, 1, 1)
     sink = (resident >= first_real) & (resident < first_real + sink_blocks)
     pinned = (resident >= 0) & (sink | (resident >= torch.minimum(num_blocks - recent_blocks, first)))
-    score = slot_score[..., :num_slots].clamp(max=_FLT_MAX)
+    score = resident.float() if evict_oldest else slot_score[..., :num_slots].clamp(max=_FLT_MAX)
     evict_key = torch.where(pinned, _INF, torch.where(resident < 0, -_INF, score))
     cheapest = evict_key.sort(dim=-1, stable=True).indices[..., : touched.shape[-1]]
     rank = (fresh.long().cumsum(-1) - 1).clamp(min=0)  # the r-th fresh block takes the r-th cheapest slot

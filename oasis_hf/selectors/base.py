@@ -40,8 +40,9 @@ class BlockSelector(ABC):
 
     name: ClassVar[str]
     #: How blocks are scored: ``"summaries"`` (each query row's softmax share over the block summaries, rows of a GQA
-    #: group summed: `oasis_hf.kernels.score_blocks`, fused with the shared rules), ``"recency"`` (the block index)
-    #: or ``"custom"`` (the selector's own `score`).
+    #: group summed: `oasis_hf.kernels.score_blocks`, fused with the shared rules), ``"recency"`` (the block index;
+    #: a synchronous selector scored so selects nothing in the decode step: its new blocks evict the oldest) or
+    #: ``"custom"`` (the selector's own `score`).
     scoring: ClassVar[str] = "summaries"
     #: The score is fixed-shape device work with no host synchronisation, so the decode step that calls it can be
     #: captured in a CUDA graph. Set False for selectors that read host memory or branch on data.

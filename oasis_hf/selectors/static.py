@@ -1,5 +1,8 @@
 """``static``: StreamingLLM at equal budget — sinks plus the most recent blocks, whatever the queries say.
 
+Its set changes only when a new block starts, and then by one known swap: the layer's decode step keeps it without
+any selection (`append_tokens` gives the new block the slot of the oldest unpinned one).
+
 Xiao et al., "Efficient Streaming Language Models with Attention Sinks" (2023), https://arxiv.org/abs/2309.17453
 """
 

@@ -709,18 +709,19 @@ def _append_case(case, kind, dtype, device, seed):
 
 
 @needs_triton
+@pytest.mark.parametrize("evict_oldest", [False, True], ids=["by-score", "oldest"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("case", APPEND_CASES, ids=str)
-def test_append_tokens_kernel_matches_twin(case, kind, dtype):
+def test_append_tokens_kernel_matches_twin(case, kind, dtype, evict_oldest):
     """Slot allocation, table entries and pool rows identical to the twin; summaries to rounding; with and without
-    pinned sinks and a long recent window."""
+    pinned sinks and a long recent window; evicting by score or by age."""
     dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
     for seed, (sinks, recent) in enumerate([(1, 2), (0, 1), (2, 5)]):
         args_k = _append_case(case, kind, dtype, dev, seed)
         args_r = [x.clone() for x in args_k]
-        append_tokens(*args_k, kind=kind, sink_blocks=sinks, recent_blocks=recent)
-        append_tokens_ref(*args_r, kind=kind, sink_blocks=sinks, recent_blocks=recent)
+        append_tokens(*args_k, kind=kind, sink_blocks=sinks, recent_blocks=recent, evict_oldest=evict_oldest)
+        append_tokens_ref(*args_r, kind=kind, sink_blocks=sinks, recent_blocks=recent, evict_oldest=evict_oldest)
         for name, k, r in zip(("pool_k", "pool_v", "slot_block", "slot_score", "block_slot"), args_k[3:8],
                               args_r[3:8], strict=True):
             trash = name in ("slot_block", "slot_score", "block_slot")  # masked twin writes land in the last column
@@ -819,6 +820,35 @@ def test_append_tokens_twin_writes_what_a_dense_cache_holds():
             rows = torch.arange(bs) + blk * bs
             real = (rows < start + case[5]) & (rows >= int(kv_start[b]))
             torch.testing.assert_close(summaries[0, b, h, blk], pool_k[b, h, slot][real].mean(0))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 17])
+def test_append_tokens_evict_oldest_keeps_the_sinks_and_the_latest_blocks(num_tokens):
+    """``evict_oldest`` (the ``static`` selector): whatever the scores say, the new blocks take the slots of the
+    oldest unpinned blocks, so a full pool of sinks plus the latest blocks stays exactly that; by score, the
+    lowest-scored blocks go instead."""
+    bs, d, slots = 16, 8, 5
+    held = [0, 2, 3, 4, 5]  # sink 0, then the latest blocks before the new tokens' block 6
+    start = 6 * bs
+    gen = torch.Generator().manual_seed(3)
+    for evict_oldest in (False, True):
+        slot_block = torch.full((1, 2, slots + 1), -1, dtype=torch.long)
+        block_slot = torch.full((1, 2, 10), -1, dtype=torch.long)
+        order = torch.randperm(slots, generator=gen)
+        for blk, slot in zip(held, order.tolist(), strict=True):
+            slot_block[..., slot], block_slot[..., blk] = blk, slot
+        slot_score = torch.full((1, 2, slots + 1), -float("inf"))
+        slot_score[..., :slots] = torch.tensor([5.0, 9.0, 1.0, 2.0, 3.0])[order.argsort()]  # block 2 scores highest
+        pool = torch.zeros(1, 2, slots, bs, d)
+        tokens = torch.randn(1, 2, num_tokens, d, generator=gen)
+        append_tokens_ref(tokens, tokens, torch.tensor(start), pool, pool.clone(), slot_block, slot_score,
+                          block_slot, torch.zeros(1, 1, 2, 9, d), torch.zeros(1, dtype=torch.long), kind="mean",
+                          sink_blocks=1, recent_blocks=1, evict_oldest=evict_oldest)
+        new = list(range(6, (start + num_tokens - 1) // bs + 1))
+        gone = ([2, 3] if evict_oldest else [3, 4])[: len(new)]  # oldest first; else lowest score (1.0, 2.0) first
+        expected = [blk for blk in held if blk not in gone] + new
+        for h in range(2):
+            assert sorted(slot_block[0, h, :slots].tolist()) == sorted(expected), (evict_oldest, h)
 
 
 @needs_triton
