@@ -144,7 +144,9 @@ def delta_rate(path: Path | None, task: str | None = None) -> tuple[float | None
     if path is None:
         return None, "", None
     payload = json.loads(Path(path).read_text())
-    rows = [r for r in payload["rows"] if task is None or r.get("task") == task]
+    # A job after every forward only (rows of other `selection_interval`s measure a job's delta, not a step's).
+    rows = [r for r in payload["rows"] if (task is None or r.get("task") == task)
+            and r.get("selection_interval", 1) == 1]
     if not rows:
         raise SystemExit(f"--delta-rate {path}: no rows of task {task!r}")
     plain = [r["blocks/(seq, head, forward)"] for r in rows if "plain decoding" in r["method"]]

@@ -8,13 +8,16 @@ Each prompt (a task of the RULER-style suite, `eval.tasks.ruler`) is decoded gre
 selector under the decode benchmark's OasisKV configuration (the library defaults, budget 2048), twice: plain
 decoding (one token per forward: the previous query scores) and `oasis_hf.speculative_generate` with the draft
 model (the target's queries at the draft positions score). Reported per row: blocks fetched per (sequence, KV head)
-and forward, per generated token, and the share of the budget's selected slots that changes per forward. A count,
+and forward, per generated token, and the share of the budget's selected slots that changes per forward; with
+``--selection-intervals`` (`OasisConfig.selection_interval`: a job after every Nth forward) also per job, the delta
+one job moves (what `eval.bench_floor --variant ... selection_interval=N max_fetch_blocks=...` replays). A count,
 not a time: it holds on any device (a CPU run in float32 picks what a bf16 GPU run picks up to near-ties).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -28,8 +31,9 @@ from oasis_hf import models
 
 logger = logging.getLogger("eval.delta_rate")
 
-COLUMNS = ["task", "method", "context", "new tokens", "forwards", "blocks/(seq, head, forward)",
-           "blocks/(seq, head, token)", "selected slots changed/forward", "draft acceptance", "seconds"]
+COLUMNS = ["task", "method", "selection_interval", "context", "new tokens", "forwards", "jobs",
+           "blocks/(seq, head, forward)", "blocks/(seq, head, job)", "blocks/(seq, head, token)",
+           "selected slots changed/forward", "draft acceptance", "seconds"]
 
 
 @torch.inference_mode()
@@ -50,9 +54,11 @@ def measure(model, draft, input_ids, config: oasis_hf.OasisConfig, new_tokens: i
         layer = cache.oasis_layers[0]
         pairs = layer.batch_size * layer.num_kv_heads
     forwards = stats["decode_layer_steps"] / len(cache.oasis_layers)
+    jobs = stats["prefetch_jobs"] / len(cache.oasis_layers)
     per_forward = stats["fetched_blocks_per_layer_step"] / pairs
     selected = config.budget_blocks - config.sink_blocks - config.recent_blocks
-    return {"forwards": forwards, "blocks/(seq, head, forward)": per_forward,
+    return {"forwards": forwards, "jobs": jobs, "blocks/(seq, head, forward)": per_forward,
+            "blocks/(seq, head, job)": per_forward * forwards / jobs if jobs else None,
             "blocks/(seq, head, token)": per_forward * forwards / new_tokens,
             "selected slots changed/forward": per_forward / selected, "draft acceptance": acceptance,
             "seconds": seconds}
@@ -67,6 +73,8 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=["recall_list", "qa"], choices=sorted(ruler.TASKS))
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--selection-intervals", type=int, nargs="+", default=[1],
+                        help="OasisConfig.selection_interval values to measure (a job after every Nth forward)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -80,13 +88,16 @@ def main() -> None:
     for task in args.tasks:
         sample = ruler.generate(task, args.context, 1, tokenizer)[0]
         input_ids = tokenizer(sample["input"], return_tensors="pt")["input_ids"].to(args.device)
-        for drafted in (False, True):
-            method = "lookahead, draft model (speculative_generate)" if drafted else "lookahead, plain decoding"
-            logger.info("%s: %s ...", task, method)
-            row = {"task": task, "method": method, "context": input_ids.shape[1], "new tokens": args.new_tokens}
-            row.update(measure(model, draft, input_ids, config, args.new_tokens, drafted))
-            rows.append(row)
-            logger.info("%s", row)
+        for interval in args.selection_intervals:
+            for drafted in (False, True):
+                method = "lookahead, draft model (speculative_generate)" if drafted else "lookahead, plain decoding"
+                logger.info("%s: %s, selection_interval=%d ...", task, method, interval)
+                row = {"task": task, "method": method, "selection_interval": interval, "context": input_ids.shape[1],
+                       "new tokens": args.new_tokens}
+                row.update(measure(model, draft, input_ids, dataclasses.replace(config, selection_interval=interval),
+                                   args.new_tokens, drafted))
+                rows.append(row)
+                logger.info("%s", row)
     table = (f"Blocks moved by the lookahead selector, {args.model} with draft {args.draft} ({dtype}, "
              f"{args.device}), OasisConfig(budget_tokens={args.budget}, selector='lookahead'), library defaults "
              f"otherwise\n\n" + markdown_table(rows, COLUMNS))
