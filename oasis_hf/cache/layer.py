@@ -198,6 +198,7 @@ class OasisLayer(CacheLayerMixin):
             return
         self.jobs.await_job()  # the job rewrites the table that crop edits
         self.jobs.stage_pending = False  # a proposal may name blocks that no longer exist
+        blocks_before = self.config.blocks(self.length)
         self.length = max(0, self.length + tokens_to_remove)
         if self.cache.host is not None:
             self.cache.host.truncate(self.layer_idx, self.length)
@@ -206,7 +207,7 @@ class OasisLayer(CacheLayerMixin):
             self.reset()
             return
         self.table.drop_from(self.config.blocks(self.length))
-        if self.keeps_latest:
+        if self.keeps_latest and self.config.blocks(self.length) < blocks_before:  # a dropped block took a slot
             self._refill_latest()
 
     @property

@@ -68,12 +68,13 @@ def test_static_steps_keep_sinks_and_latest_blocks_without_a_selection(family, m
 
 def test_static_crop_of_rejected_drafts_refetches_the_blocks_they_evicted(monkeypatch):
     """A verification forward that crosses into a new block evicts the oldest unpinned one; when the drafts past
-    the boundary are rejected, the crop drops the new block and refetches the evicted one (one plan per layer)."""
+    the boundary are rejected, the crop drops the new block and refetches the evicted one (one plan per layer); a crop
+    that stays inside the last block refetches nothing."""
     model, ids, mask, cache, plans = _prefilled("llama", monkeypatch)
     length = 200
     with torch.no_grad():
         for _ in range(4):
-            step_to = (length // BS + 1) * BS + 2  # two tokens into the next block
+            step_to = ((length + 5) // BS + 1) * BS + 2  # two tokens into a block the last crop did not reach
             while length < step_to - 5:
                 model(ids[:, length : length + 1], attention_mask=mask[:, : length + 1], past_key_values=cache,
                       use_cache=True)
@@ -88,3 +89,8 @@ def test_static_crop_of_rejected_drafts_refetches_the_blocks_they_evicted(monkey
             assert_sinks_and_latest(cache, mask)
             assert len(plans) == len(cache.layers)
             plans.clear()
+        # A crop inside the last block drops no block: nothing to refetch, no plan.
+        model(ids[:, length : length + 1], attention_mask=mask[:, : length + 1], past_key_values=cache, use_cache=True)
+        cache.crop(-1)
+        assert_sinks_and_latest(cache, mask)
+        assert not plans
