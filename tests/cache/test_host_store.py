@@ -1,0 +1,69 @@
+"""`HostKVStore` transfers: long runs through the copy engines and short ones through the zero-copy kernels land every
+row where the store's layout puts it, across segments and for sources in the model's (B, T, H, D) memory layout,
+and read back the same."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oasis_hf.cache.host_store import COPY_ENGINE_MIN_RUN_BYTES, HostKVStore
+
+
+def _model_layout(batch: int, tokens: int, heads: int, dim: int, device, dtype) -> torch.Tensor:
+    """(B, H, T, D) keys as attention layers get them: a transposed view of a (B, T, H, D) projection output."""
+    return torch.randn(batch, tokens, heads, dim, device=device, dtype=dtype).transpose(1, 2)
+
+
+def test_write_runs_copies_each_sequence_and_head_run():
+    """The copy-engine writer's indexing, on the CPU: a transposed source lands head by head in a strided host
+    view (the store's layout: each (b, h) run contiguous, runs one segment apart)."""
+    torch.manual_seed(0)
+    src = _model_layout(3, 11, 2, 4, "cpu", torch.float32)
+    store = torch.zeros(3, 2, 20, 4)
+    HostKVStore._write_runs(src, store[:, :, 5:16])
+    assert torch.equal(store[:, :, 5:16], src)
+    assert not store[:, :, :5].any() and not store[:, :, 16:].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_long_and_short_writes_land_every_row_across_segments(contiguous, monkeypatch):
+    """A prefill-sized write (copy engines, on a side stream as the cache issues it) spanning two segments, then a
+    decode-sized one (zero-copy kernel), on two layers: host memory holds exactly the rows written."""
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    batch, heads, dim, bs, dtype = 3, 2, 128, 16, torch.bfloat16
+    run_tokens = COPY_ENGINE_MIN_RUN_BYTES // (dim * dtype.itemsize)
+    calls = []
+    monkeypatch.setattr(HostKVStore, "_write_runs",
+                        staticmethod(lambda s, d, f=HostKVStore._write_runs: calls.append(s.shape) or f(s, d)))
+    store = HostKVStore([0, 5], batch, heads, dim, bs, dtype, pin=True, headroom_bytes=0, growth_tokens=bs)
+    first = run_tokens + 5 * bs
+    store.ensure_capacity(first)
+    long, short = first + run_tokens + 3, 9  # the long write reaches past the first segment by more than one run
+    store.ensure_capacity(long + short)
+    assert len(store.segments) == 2
+    written = {}
+    for layer in (0, 5):
+        k, v = (_model_layout(batch, long + short, heads, dim, device, dtype) for _ in range(2))
+        if contiguous:
+            k, v = k.contiguous(), v.contiguous()
+        written[layer] = (k, v)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            store.write(layer, k[:, :, :long], v[:, :, :long], 0)
+            store.write(layer, k[:, :, long:], v[:, :, long:], long)
+        torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    assert len(calls) == 2 * 2 * 2  # layers x (K, V) x segments: both parts of the long write took the engines
+    for layer, (k, v) in written.items():
+        got_k, got_v = store.read_range(layer, long + short, "cpu")
+        assert torch.equal(got_k, k.cpu()) and torch.equal(got_v, v.cpu())
+        # Read back to the GPU as a chunked prefill does: long segments through the copy engines, short ones (and a
+        # short prefix) through the zero-copy gather.
+        for tokens in (long + short, 40):
+            got_k, got_v = store.read_range(layer, tokens, device)
+            torch.cuda.synchronize(device)
+            assert torch.equal(got_k, k[:, :, :tokens]) and torch.equal(got_v, v[:, :, :tokens])
