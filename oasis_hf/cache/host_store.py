@@ -37,6 +37,14 @@ _MEMO_MAX_TOKENS = 64
 COPY_ENGINE_MIN_RUN_BYTES = 512 * 2**10
 
 
+def size_class(blocks: int) -> int:
+    """`blocks` rounded up to the next of eight sizes per doubling (at most 12.5% more): a store's first segment is
+    sized so, and a `PinnedPool` buffer returned by one request then fits the next request of about the same length
+    (another prompt, another ``max_new_tokens``) instead of being page-locked anew during its prefill."""
+    step = max(1, (1 << (blocks.bit_length() - 1)) // 8)
+    return -(-blocks // step) * step
+
+
 class BlockStore(Protocol):
     """The host tier of an `OasisCache`: where every block lives, and what the GPU pool is filled from.
 
@@ -142,13 +150,17 @@ class HostKVStore:
 
     def ensure_capacity(self, num_tokens: int, reserve_tokens: int = 0) -> bool:
         """Make room for `num_tokens` tokens per sequence in every layer, and for `reserve_tokens` (a planned length:
-        all of it now, or a `HostMemoryError` saying what fits); returns True if the store grew. Growth prefers
-        half the current size at once, and takes only what is required when that preference does not fit."""
+        all of it now, or a `HostMemoryError` saying what fits); returns True if the store grew. The first segment
+        prefers the `size_class` of what is required, growth half the current size at once; either takes only what
+        is required when that preference does not fit."""
         needed = blocks_for(num_tokens, self.block_size)
         if needed <= self.capacity_blocks:
             return False
         required = max(needed, blocks_for(reserve_tokens, self.block_size)) - self.capacity_blocks
-        preferred = max(required, self.growth_blocks, self.capacity_blocks // 2) if self.capacity_blocks else required
+        if self.capacity_blocks:
+            preferred = max(required, self.growth_blocks, self.capacity_blocks // 2)
+        else:  # the first segment in size classes: requests of similar lengths reuse a pool's buffers
+            preferred = size_class(required)
         try:
             self._allocate_segment(preferred)
         except HostMemoryError:

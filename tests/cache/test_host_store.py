@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oasis_hf.cache.host_store import COPY_ENGINE_MIN_RUN_BYTES, HostKVStore
+from oasis_hf.cache.host_store import COPY_ENGINE_MIN_RUN_BYTES, HostKVStore, size_class
+from oasis_hf.cache.pinned import PinnedPool
 
 
 def _model_layout(batch: int, tokens: int, heads: int, dim: int, device, dtype) -> torch.Tensor:
@@ -24,6 +25,33 @@ def test_write_runs_copies_each_sequence_and_head_run():
     HostKVStore._write_runs(src, store[:, :, 5:16])
     assert torch.equal(store[:, :, 5:16], src)
     assert not store[:, :, :5].any() and not store[:, :, 16:].any()
+
+
+def test_size_classes_waste_at_most_an_eighth():
+    assert [size_class(n) for n in (1, 7, 8, 9, 17, 501, 504, 512, 513)] == [1, 7, 8, 9, 18, 512, 512, 512, 576]
+    assert all(n <= size_class(n) <= n * 1.125 for n in range(1, 5000))
+
+
+def test_first_segment_is_a_size_class_so_similar_requests_share_a_pool_buffer():
+    """A request sizes its store for its prompt plus planned tokens; rounded up to a size class, the next request of
+    about the same length (here another max_new_tokens) takes the buffer the first returned to the pool instead of
+    page-locking a new one during its prefill. Under a limit the exact size still fits."""
+    pool = PinnedPool()
+
+    def store(**kwargs):
+        return HostKVStore([0, 1], 2, 2, 8, 16, torch.float32, pin=False, headroom_bytes=0, growth_tokens=256,
+                           pool=pool, **kwargs)
+
+    first = store()
+    first.ensure_capacity(16000, reserve_tokens=16004)
+    assert first.capacity_blocks == 1024  # 16,384 tokens: the size class of the 1,001 blocks asked for
+    first.close()  # the buffer goes back to the pool
+    second = store()
+    second.ensure_capacity(16000, reserve_tokens=16128)
+    assert second.capacity_blocks == 1024 and pool.reused == 1
+    tight = store(limit_bytes=1001 * second.bytes_per_block() * 2)  # room for exactly the blocks asked for
+    tight.ensure_capacity(16000, reserve_tokens=16004)
+    assert tight.capacity_blocks == 1001
 
 
 @pytest.mark.gpu
