@@ -272,6 +272,9 @@ def main() -> None:
                     continue
                 try:  # a path that fails here fails again in its timed row, which records the error
                     with oasis_hf.OasisCache(model.config, cfg(selector, kind), host_pool=pool) as cache:
+                        # Sized for the timed call's tokens: the pinned buffer this returns to the pool is the one
+                        # the timed row takes, not one page-locked anew during its prefill.
+                        cache.plan_tokens(inputs["input_ids"].shape[1] + n)
                         generate(kind, cache)
                 except Exception as exc:  # noqa: BLE001
                     logger.error("warm-up of %s failed: %r", kind, exc)
