@@ -354,8 +354,8 @@ class HostKVStore:
         On CUDA with a pinned store, on the current stream (order it after the write-back of those rows): one
         zero-copy gather per segment and tensor, or, when each (sequence, KV head) run of a segment reaches
         `COPY_ENGINE_MIN_RUN_BYTES`, one copy-engine transfer per run (a chunked prefill reads earlier chunks while
-        the previous layer's write-back is still in flight: copy engines move both directions at once, where a
-        zero-copy read queues behind the writes); otherwise plain copies."""
+        the previous layer's write-back may still be in flight; with both directions on the copy engines it ran
+        fastest, see docs/results.md); otherwise plain copies."""
         device = torch.device(device)
         bs, batch, heads = self.block_size, self.batch_size, self.num_kv_heads
         nb = blocks_for(num_tokens, bs)
