@@ -265,23 +265,27 @@ class HostKVStore:
                 if not (src.is_cuda and self.pin):
                     target.copy_(part)
                 elif part.shape[2] * part.shape[3] * part.element_size() >= COPY_ENGINE_MIN_RUN_BYTES:
-                    self._write_runs(part, target)
+                    self._copy_runs(part, target)
                 else:
                     self._write_rows(part, target)
 
     @staticmethod
-    def _write_runs(src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Long writes (a prefill) through the copy engines: one ``cudaMemcpyAsync`` per (sequence, KV head) run.
+    def _copy_runs(src: torch.Tensor, dst: torch.Tensor) -> None:
+        """``dst[b, h] = src[b, h]`` for every (sequence, KV head), one copy-engine transfer (``cudaMemcpyAsync``)
+        each, on the current stream: long transfers between the GPU and pinned host memory (a prefill's write-back,
+        a chunked prefill's read-back).
 
-        The zero-copy kernel would hold every SM it is given for the whole transfer at the write-back stream's
-        high priority (about 21 ms per layer at 8 x 32k tokens on Llama-8B's shape over PCIe), where the prefill's
-        own kernels should run; the copy engines move it beside them. `src` (B, H_kv, T, D) on the GPU, laid out as
-        the model made it (often (B, T, H_kv, D) in memory): one sequence at a time is made contiguous on the current
-        stream (a temporary of ``H_kv * T * D`` elements, freed in stream order), then copied into `dst` (pinned,
-        the same shape, each (b, h) run of ``T * D`` elements contiguous).
+        A zero-copy kernel would hold every SM it is given for the whole PCIe transfer (about 21 ms per layer at
+        8 x 32k tokens on Llama-8B's shape), at the write-back stream's high priority, where the prefill's own
+        kernels should run; the copy engines move it beside them. `dst[b, h]` must be contiguous (the store's
+        layout and a fresh device tensor are). A GPU `src` in another layout (the model's K/V are often (B, T, H_kv,
+        D) in memory) is made contiguous one sequence at a time on the current stream (a temporary of ``H_kv * T *
+        D`` elements, freed in stream order).
         """
         for b in range(src.shape[0]):
-            rows = src[b].contiguous()
+            rows = src[b]
+            if rows.is_cuda and not rows[0].is_contiguous():
+                rows = rows.contiguous()
             for h in range(src.shape[1]):
                 dst[b, h].copy_(rows[h], non_blocking=True)
 
@@ -371,9 +375,8 @@ class HostKVStore:
             long_runs = (hi - lo) * row * out_k.element_size() >= COPY_ENGINE_MIN_RUN_BYTES
             if device.type == "cuda" and self.pin and long_runs:
                 for src, dst in ((seg.keys[layer], out_k), (seg.values[layer], out_v)):
-                    for b in range(batch) if dst is not None else ():
-                        for h in range(heads):
-                            dst[b, h, lo:hi].copy_(src[b, h, : hi - lo], non_blocking=True)
+                    if dst is not None:
+                        self._copy_runs(src[:, :, : hi - lo], dst[:, :, lo:hi])
             elif device.type == "cuda" and self.pin:
                 bh = self._bh(batch, heads, device)
                 local = torch.arange(hi - lo, device=device)

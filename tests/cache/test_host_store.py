@@ -16,15 +16,18 @@ def _model_layout(batch: int, tokens: int, heads: int, dim: int, device, dtype) 
     return torch.randn(batch, tokens, heads, dim, device=device, dtype=dtype).transpose(1, 2)
 
 
-def test_write_runs_copies_each_sequence_and_head_run():
-    """The copy-engine writer's indexing, on the CPU: a transposed source lands head by head in a strided host
-    view (the store's layout: each (b, h) run contiguous, runs one segment apart)."""
+def test_copy_runs_copies_each_sequence_and_head_run():
+    """The copy-engine transfer's indexing, on the CPU: a transposed source (the model's layout) lands head by head
+    in a strided view of the store's layout, and a strided store view reads back into a contiguous tensor."""
     torch.manual_seed(0)
     src = _model_layout(3, 11, 2, 4, "cpu", torch.float32)
     store = torch.zeros(3, 2, 20, 4)
-    HostKVStore._write_runs(src, store[:, :, 5:16])
+    HostKVStore._copy_runs(src, store[:, :, 5:16])
     assert torch.equal(store[:, :, 5:16], src)
     assert not store[:, :, :5].any() and not store[:, :, 16:].any()
+    back = torch.empty(3, 2, 11, 4)
+    HostKVStore._copy_runs(store[:, :, 5:16], back)
+    assert torch.equal(back, src)
 
 
 def test_size_classes_waste_at_most_an_eighth():
@@ -63,9 +66,9 @@ def test_long_and_short_writes_land_every_row_across_segments(contiguous, monkey
     device = torch.device("cuda")
     batch, heads, dim, bs, dtype = 3, 2, 128, 16, torch.bfloat16
     run_tokens = COPY_ENGINE_MIN_RUN_BYTES // (dim * dtype.itemsize)
-    calls = []
-    monkeypatch.setattr(HostKVStore, "_write_runs",
-                        staticmethod(lambda s, d, f=HostKVStore._write_runs: calls.append(s.shape) or f(s, d)))
+    calls = []  # per copy-engine transfer: whether it wrote to host (its source on the GPU)
+    monkeypatch.setattr(HostKVStore, "_copy_runs",
+                        staticmethod(lambda s, d, f=HostKVStore._copy_runs: calls.append(s.is_cuda) or f(s, d)))
     store = HostKVStore([0, 5], batch, heads, dim, bs, dtype, pin=True, headroom_bytes=0, growth_tokens=bs)
     first = run_tokens + 5 * bs
     store.ensure_capacity(first)
@@ -85,7 +88,8 @@ def test_long_and_short_writes_land_every_row_across_segments(contiguous, monkey
             store.write(layer, k[:, :, long:], v[:, :, long:], long)
         torch.cuda.current_stream(device).wait_stream(side)
     torch.cuda.synchronize(device)
-    assert len(calls) == 2 * 2 * 2  # layers x (K, V) x segments: both parts of the long write took the engines
+    assert calls == [True] * (2 * 2 * 2)  # layers x (K, V) x segments: both parts of the long write took the engines
+    calls.clear()
     for layer, (k, v) in written.items():
         got_k, got_v = store.read_range(layer, long + short, "cpu")
         assert torch.equal(got_k, k.cpu()) and torch.equal(got_v, v.cpu())
@@ -95,3 +99,4 @@ def test_long_and_short_writes_land_every_row_across_segments(contiguous, monkey
             got_k, got_v = store.read_range(layer, tokens, device)
             torch.cuda.synchronize(device)
             assert torch.equal(got_k, k[:, :, :tokens]) and torch.equal(got_v, v[:, :, :tokens])
+    assert calls == [False] * (2 * 2 * 2)  # the long read-backs, (K, V) x segments per layer; the 40 tokens: kernel
