@@ -22,6 +22,7 @@ from oasis_hf.errors import (
 if TYPE_CHECKING:
     from oasis_hf.cache.oasis_cache import OasisCache
     from oasis_hf.cache.pinned import PinnedPool
+    from oasis_hf.cache.slot import CacheSlot
     from oasis_hf.config import OasisConfig
     from oasis_hf.decode_graph import DecodeGraph, decode_generate
     from oasis_hf.integrations.attention import ATTENTION_NAME, enable, oasis_attention, register
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "OasisCache": "oasis_hf.cache.oasis_cache",
     "PinnedPool": "oasis_hf.cache.pinned",
+    "CacheSlot": "oasis_hf.cache.slot",
     "OasisConfig": "oasis_hf.config",
     "DecodeGraph": "oasis_hf.decode_graph",
     "decode_generate": "oasis_hf.decode_graph",
@@ -65,6 +67,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ATTENTION_NAME",
+    "CacheSlot",
     "DecodeGraph",
     "decode_generate",
     "DeviceMemoryError",

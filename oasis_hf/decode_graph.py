@@ -130,6 +130,7 @@ class DecodeGraph:
         self._forked: dict[tuple[torch.device, str], torch.cuda.Stream] = {}  # (device, "jobs" | "gather")
         self._pool = None
         self.replays = 0
+        self.captures = 0  # graphs captured (a replay of a graph captured before a `OasisCache.reset` adds none)
         self.steps = 0  # forwards run (replays, captures and eager runs)
 
     @property
@@ -322,6 +323,7 @@ class DecodeGraph:
                 f"whole-step graph was being captured (T={input_ids.shape[1]}), which would run its autotuning "
                 f"inside the capture ({exc}). This cache is left mid-forward: close it, and decode with "
                 "compile_model=False (the same graph without Inductor's fusion)") from exc
+        self.captures += 1
         if self.cache.config.compile_model:
             _SETTLED.setdefault(self.model, set()).add(self._shape(input_ids))
         logger.info("DecodeGraph: captured T=%d (%d layers)", input_ids.shape[1], len(self.cache.oasis_layers))
@@ -333,6 +335,15 @@ class DecodeGraph:
         self.replays += 1
         self.cache.stats.graph_replays += len(self.cache.oasis_layers)
         return entry.logits.clone()
+
+
+def graph_runner(model, cache: OasisCache) -> DecodeGraph:
+    """`cache`'s `DecodeGraph` for `model`, made on first use and kept on the cache (`OasisCache.graph_runner`):
+    after ``cache.reset()`` the next batch of the same shape replays the graphs it captured."""
+    runner = cache.graph_runner
+    if runner is None or runner.model is not model:
+        runner = cache.graph_runner = DecodeGraph(model, cache)
+    return runner
 
 
 @torch.inference_mode()
@@ -362,7 +373,8 @@ def decode_generate(
     ----------
     model : a causal LM switched to the ``oasis`` attention (`oasis_hf.enable`), all full-attention layers.
     input_ids : (B, P) left-padded prompt ids. attention_mask : (B, P), 1 for real tokens (None: all real).
-    cache : an empty `OasisCache` (`DecodeGraph` says which configurations it refuses).
+    cache : an empty `OasisCache` (`DecodeGraph` says which configurations it refuses): a new one, or one reset
+        after an earlier call, which replays the graphs that call captured when the batch has the same shape.
     max_new_tokens : tokens to add per sequence. eos_token_id, pad_token_id : a sequence stops at its first EOS;
         later positions hold `pad_token_id` (default: the first EOS id, else 0).
 
@@ -375,12 +387,12 @@ def decode_generate(
     if do_sample and temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0 with do_sample=True (use do_sample=False for greedy)")
     if not isinstance(cache, OasisCache) or cache.get_seq_length() != 0:
-        raise UnsupportedError("decode_generate needs an empty OasisCache; pass a fresh one")
+        raise UnsupportedError("decode_generate needs an empty OasisCache; pass a fresh one, or call reset() on it")
     device = input_ids.device
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
     eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=device).long().flatten()
     pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
-    runner = DecodeGraph(model, cache)
+    runner = graph_runner(model, cache)
     logits = forward_logits(model, input_ids, mask, cache, last_only=True)
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
     new = []

@@ -38,7 +38,7 @@ import torch
 from transformers import DynamicCache
 
 from oasis_hf import compat
-from oasis_hf.decode_graph import DecodeGraph
+from oasis_hf.decode_graph import graph_runner
 from oasis_hf.draft import forward_logits, make_draft, positions
 from oasis_hf.errors import UnsupportedError
 
@@ -173,7 +173,8 @@ def speculative_generate(
     if draft_model is not None:
         vocab = min(vocab, draft_model.get_output_embeddings().weight.shape[0])
     if cache is not None and cache.get_seq_length() != 0:
-        raise UnsupportedError("speculative_generate needs an empty target cache; pass a fresh OasisCache")
+        raise UnsupportedError("speculative_generate needs an empty target cache; pass a fresh OasisCache, or call "
+                               "reset() on it")
     device = input_ids.device
     batch = input_ids.shape[0]
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
@@ -181,7 +182,7 @@ def speculative_generate(
     max_len = input_ids.shape[1] + max_new_tokens + num_draft_tokens + 1
     runner = None
     if target_graphs:
-        runner = DecodeGraph(model, cache)
+        runner = graph_runner(model, cache)
     drafter = None if draft_model is None else make_draft(draft_model, batch, max_len, device, draft_cuda_graphs,
                                                           draft_cache)
     eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=device).long().flatten()

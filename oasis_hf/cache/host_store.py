@@ -61,6 +61,7 @@ class BlockStore(Protocol):
     pin: bool  # the GPU reads and writes the host buffers directly (zero-copy kernels)
     capacity_blocks: int  # logical blocks addressable
     capturable_fetch: bool  # `fetch` is device work only (a selection job calling it may be a CUDA graph)
+    reusable: bool  # keeps no state of its request: `OasisCache.reset` empties the cache and keeps this store
 
     @property
     def nbytes(self) -> int: ...  # host bytes held
@@ -76,7 +77,7 @@ class BlockStore(Protocol):
     def note_step(self, layer: int, end: int) -> None: ...
     def prefetch_hint(self, layer: int, scores: torch.Tensor, num_slots: int) -> None: ...
     def truncate(self, layer: int, length: int) -> None: ...
-    def release(self) -> None: ...  # free the memory (reset); the store can grow again
+    def release(self) -> None: ...  # free the memory; the store can grow again
     def close(self) -> None: ...  # the cache is closed: the request is finished
 
 
@@ -111,6 +112,7 @@ class HostKVStore:
     """
 
     capturable_fetch = True  # `fetch` is device work only: a selection job that calls it can be a CUDA graph
+    reusable = True  # rows past a layer's length are simply overwritten: a reset cache keeps the memory
 
     def __init__(
         self,
@@ -222,8 +224,8 @@ class HostKVStore:
 
     def close(self) -> None:
         """The cache is done with its sequences: with a pool its buffers go back to the pool now (the cache refuses
-        further use); without one nothing is handed back (the memory goes with the cache, or with `release` on
-        `reset`). A remote store frees the request's objects."""
+        further use); without one nothing is handed back (the memory goes with the cache). A remote store frees the
+        request's objects."""
         if self.pool is not None:
             self.release()
 

@@ -142,6 +142,8 @@ class OasisLayer(CacheLayerMixin):
                 "not using the 'oasis' attention implementation, so it would read only the new tokens. Call "
                 "oasis_hf.register() and model.set_attn_implementation('oasis') (or oasis_hf.enable(model))."
             )
+        if self.is_initialized and self.length == 0 and not self._fits(key_states):
+            self.cache.relayout()  # a reset cache fed another batch shape (or mode): every layer allocates anew
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self.batch_size or key_states.shape[1] != self.num_kv_heads:
@@ -230,18 +232,40 @@ class OasisLayer(CacheLayerMixin):
                               self.config.kernel_backend)
 
     def reset(self) -> None:
+        """Forget every token and keep the allocations: the pool, table, summaries, selection memory and padding
+        starts are emptied in place (the next prefill writes into them), so the captured step and job graphs, which
+        address them, stay valid for a next batch of the same shape. A forward interrupted mid-way drops them."""
         self.jobs.await_job()
-        self.step_graphs.clear()  # the next prefill sets a new kv_start tensor; each T warms up again (see `grow`)
-        self.jobs.clear()
+        if self._pending is not None:  # interrupted: a capture may have stopped half-way
+            self.step_graphs.clear()
+            self.jobs.clear()
         self.jobs.stage_pending = False
         self.length = 0
         self.decode_forwards = 0
         self._pending = None
-        self.kv_start = None
         if self.is_initialized:
-            self.table.reset()
-            self.summaries.zero_()
-            self.score_memory.zero_()
+            with torch.inference_mode(self.pool_k.is_inference()):  # in the mode the buffers were made in
+                self.table.reset()
+                self.summaries.zero_()
+                self.score_memory.zero_()
+
+    def _fits(self, key_states: torch.Tensor) -> bool:
+        """Whether this layer's buffers hold K/V shaped as `key_states` (B, H_kv, T, D) (batch, heads, head dim,
+        dtype, device) and take in-place writes in the current mode (buffers made under ``torch.inference_mode``
+        refuse them outside it)."""
+        batch, heads, _, head_dim = key_states.shape
+        return ((batch, heads, head_dim) == (self.batch_size, self.num_kv_heads, self.head_dim)
+                and key_states.dtype == self.dtype and key_states.device == self.device
+                and self.pool_k.is_inference() == torch.is_inference_mode_enabled())
+
+    def release_buffers(self) -> None:
+        """Drop this empty layer's buffers and graphs; its next ``update`` allocates them anew
+        (`OasisCache.relayout`)."""
+        self.step_graphs.clear()
+        self.jobs.before_grow()
+        self.kv_start = self.pool_k = self.pool_v = self.keys = self.values = None  # freed before the new ones
+        self.table = self.summaries = self.score_memory = None
+        self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise UnsupportedError("OasisCache does not support beam search; use greedy or sampling (num_beams=1)")

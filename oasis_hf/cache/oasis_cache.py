@@ -57,7 +57,8 @@ class OasisCache(Cache):
     >>> cache = oasis_hf.OasisCache(model.config, oasis_hf.OasisConfig(budget_tokens=2048))
     >>> out = model.generate(input_ids, past_key_values=cache, max_new_tokens=256)
 
-    Use a fresh cache for every `generate` call: a cache holds one batch of sequences.
+    A cache holds one batch of sequences. For the next batch, call ``cache.reset()`` (it keeps the allocations and
+    captured graphs: the next call of the same batch size starts without allocating or capturing) or make a new one.
     """
 
     def __init__(self, model_config, config: OasisConfig | None = None, *, host_pool: PinnedPool | None = None,
@@ -387,15 +388,40 @@ class OasisCache(Cache):
         raise UnsupportedError("OasisCache cannot select batch entries; use a fresh cache per batch")
 
     def reset(self) -> None:
-        """Forget every token and free the host store (a cache left mid-forward is usable again; the next forward may
-        come from another thread)."""
+        """Forget every token and keep the allocations, as transformers' ``StaticCache.reset`` does: the block pools,
+        tables and summaries on the GPU, a local host store's memory, and the captured graphs (each layer's decode
+        step and selection job, and the whole-step graph of `oasis_hf.enable`'s fast path), which address them.
+        A next batch of the same size whose length fits the host store then allocates and captures nothing; a
+        batch of another size reallocates at its first forward. A cache left mid-forward is usable again (its
+        graphs are dropped); the next forward may come from another thread. `close` frees the memory."""
+        interrupted = any(layer.mid_forward for layer in self._oasis_layers)
         super().reset()
         self._thread = None
         self._last_output = None
         self._planned_tokens = 0
         self._starts = None
+        if self.host is not None and (interrupted or not self.host.reusable):
+            self.drop_host_store()  # a remote store's objects belong to the request
+        elif interrupted:
+            self._epoch += 1
+
+    def relayout(self) -> None:
+        """The first forward after `reset` brings a batch of another shape, or runs in another inference mode than
+        the buffers were made in (tensors made under ``torch.inference_mode`` refuse in-place writes outside it):
+        every layer drops its buffers and graphs, and so do the host store and the whole-step runner (a new table
+        epoch). Each layer's ``update`` then allocates for the new batch."""
+        self.wait()
+        for layer in self._oasis_layers:
+            layer.release_buffers()
+        self.graph_runner = None
+        self.drop_host_store()
+
+    def drop_host_store(self) -> None:
+        """Free the host store (or return it to the pool); the next forward makes one for its batch. Every graph
+        captured so far is stale (a new table epoch)."""
         self._epoch += 1
         if self.host is not None:
+            self.wait()
             self.host.release()
             self.host = None
 

@@ -40,7 +40,11 @@ def _blocks(layer: OasisLayer, keys: torch.Tensor, values: torch.Tensor, end: in
 def prefill(layer: OasisLayer, query, key, value, attention_mask, scale: float, end: int) -> torch.Tensor:
     """The first forward of `layer` (positions ``0 .. end - 1``): (B, H_q, T, D) queries -> (B, T, H_q, D)."""
     cfg = layer.config
-    layer.kv_start, pads = layer.cache.padding_starts(attention_mask, layer.batch_size, end, layer.device)
+    starts, pads = layer.cache.padding_starts(attention_mask, layer.batch_size, end, layer.device)
+    if layer.kv_start is None:
+        layer.kv_start = starts
+    elif layer.kv_start is not starts:  # a reset layer: in place, where its captured graphs read it
+        layer.kv_start.copy_(starts)
     out = dense_attention(query, key, value, attention_mask, scale, pad_lengths=pads)
     blocks_k, blocks_v, num_blocks = _blocks(layer, key, value, end)
     block_ids = torch.arange(num_blocks, device=layer.device)

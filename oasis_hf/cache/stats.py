@@ -45,7 +45,10 @@ class OasisStats:
         capture)."""
         device = torch.device(device)
         if device not in self._counts:
-            self._counts[device] = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
+            # Not an inference tensor even under torch.inference_mode: a cache outlives one call (`OasisCache.reset`)
+            # and the next may add to it outside that mode.
+            with torch.inference_mode(False):
+                self._counts[device] = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
         return self._counts[device]
 
     def counter(self, device: torch.device, name: str) -> torch.Tensor:

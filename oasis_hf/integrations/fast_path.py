@@ -28,7 +28,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from oasis_hf.cache.layer import GRAPH_MAX_TOKENS
 from oasis_hf.cache.oasis_cache import OasisCache
-from oasis_hf.decode_graph import DecodeGraph, unsupported
+from oasis_hf.decode_graph import graph_runner, unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +96,7 @@ def _graph_forward(model, cache: OasisCache, kwargs: dict):
             start = cache.get_seq_length()
             cache_position = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
         position_ids = cache_position.view(1, -1).expand_as(input_ids)
-    runner = cache.graph_runner
-    if runner is None or runner.model is not model:
-        runner = cache.graph_runner = DecodeGraph(model, cache)
-    logits = runner(input_ids, position_ids.to(input_ids.device).expand_as(input_ids).contiguous())
+    logits = graph_runner(model, cache)(input_ids, position_ids.to(input_ids.device).expand_as(input_ids).contiguous())
     keep = kwargs.get("logits_to_keep", 0)
     if keep:
         logits = logits[:, -keep:]

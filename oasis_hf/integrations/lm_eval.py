@@ -1,4 +1,5 @@
-"""The lm-eval harness model ``oasis``: transformers generation with a fresh `OasisCache` per request batch.
+"""The lm-eval harness model ``oasis``: transformers generation over one `OasisCache`, reset between request batches
+(`oasis_hf.CacheSlot`: its allocations and captured graphs serve every batch of the same size).
 
 Registration is explicit (`register_lm_eval`); the command line below registers and then runs lm-eval's own CLI,
 so every lm-eval option works as usual (the suite's generator is the lab's, in a source checkout):
@@ -33,8 +34,8 @@ import torch
 from lm_eval.models.huggingface import HFLM
 
 from oasis_hf import compat, models
-from oasis_hf.cache.oasis_cache import OasisCache
 from oasis_hf.cache.pinned import PinnedPool
+from oasis_hf.cache.slot import CacheSlot
 from oasis_hf.config import OasisConfig
 from oasis_hf.decode_graph import decode_generate
 from oasis_hf.integrations.attention import enable
@@ -89,8 +90,10 @@ class OasisLM(HFLM):
         self.oasis_config = oasis_config(budget, selector, block_size, max_fetch_blocks, summary, **config_fields)
         self.prompt_lookup = int(prompt_lookup)
         self.graphs = _bool(graphs)
-        # Every request batch gets a fresh cache; their host stores reuse page-locked buffers instead of pinning anew.
+        # One cache for every request batch, reset in between; its host store comes from (and goes back to) a pool,
+        # so a cache made anew (a failed batch) reuses page-locked buffers instead of pinning anew.
         self.host_pool = PinnedPool()
+        self.cache_slot = CacheSlot(self.model.config, self.oasis_config, host_pool=self.host_pool)
         self.draft = draft_model  # a loaded assistant model (Python API), or `draft` loaded here (command line)
         if draft and self.draft is None:
             self.draft = models.load(draft, device=str(self.device), dtype=self.model.dtype)[0]
@@ -104,7 +107,7 @@ class OasisLM(HFLM):
             return self._speculative(context, max_length, generation_kwargs)
         if self.graphs:
             return self._graphed(context, max_length, generation_kwargs)
-        with OasisCache(self.model.config, self.oasis_config, host_pool=self.host_pool) as cache:
+        with self.cache_slot.cache() as cache:
             generation_kwargs[compat.cache_kwarg(self.model)] = cache
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
@@ -119,7 +122,7 @@ class OasisLM(HFLM):
         """Plain decoding with every step a whole-model CUDA graph replay (`decode_generate`); stop strings are cut
         by lm-eval afterwards."""
         do_sample, temperature, eos = self._sampling(generation_kwargs)
-        with OasisCache(self.model.config, self.oasis_config, host_pool=self.host_pool) as cache:
+        with self.cache_slot.cache() as cache:
             return decode_generate(self.model, context, generation_kwargs.get("attention_mask"), cache=cache,
                                    max_new_tokens=max(1, max_length - context.shape[1]), eos_token_id=eos,
                                    pad_token_id=self.tokenizer.pad_token_id, do_sample=do_sample,
@@ -130,7 +133,7 @@ class OasisLM(HFLM):
         only), with the draft model or, without one, prompt-lookup drafts (`prompt_lookup` per round). Stop strings
         are not checked during generation: lm-eval cuts the text at them afterwards."""
         do_sample, temperature, eos = self._sampling(generation_kwargs)
-        with OasisCache(self.model.config, self.oasis_config, host_pool=self.host_pool) as cache:
+        with self.cache_slot.cache() as cache:
             out = speculative_generate(
                 self.model, self.draft, context, generation_kwargs.get("attention_mask"), cache=cache,
                 max_new_tokens=max(1, max_length - context.shape[1]), do_sample=do_sample,

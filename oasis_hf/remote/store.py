@@ -68,6 +68,7 @@ class RemoteBlockStore:
     """
 
     capturable_fetch = False  # a fetch waits on the network: selection jobs run eagerly on the worker
+    reusable = False  # the pool objects belong to one request: `OasisCache.reset` releases the store
 
     def __init__(self, tier: MooncakeTier, request: str, layer_ids: list[int], batch_size: int, num_kv_heads: int,
                  head_dim: int, block_size: int, dtype: torch.dtype, pin: bool, ring_blocks: int, hot_blocks: int,

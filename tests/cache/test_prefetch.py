@@ -246,9 +246,11 @@ def test_prefetch_with_host_growth_keeps_tables_consistent(monkeypatch):
     assert torch.equal(out, ref)
 
 
-def test_growth_and_reset_send_each_query_length_back_to_an_eager_warm_up():
-    """After the tables grow (or the cache resets) no step or job of any T is captured before it ran eagerly again
-    at the new size: a CUDA graph capture must not be the first run of a kernel variant (it would compile inside)."""
+def test_growth_and_reallocation_send_each_query_length_back_to_an_eager_warm_up():
+    """After the tables grow (or a reset cache reallocates for another batch size, or a reset follows an
+    interrupted forward) no step or job of any T is captured before it ran eagerly again at the new size: a CUDA
+    graph capture must not be the first run of a kernel variant (it would compile inside). A plain reset keeps the
+    buffers, so it keeps what ran."""
     model = tiny_model("llama", attn="oasis")
     ids, mask = left_padded([60])
     with oasis_cache(model, selector="lookahead") as cache:
@@ -260,7 +262,14 @@ def test_growth_and_reset_send_each_query_length_back_to_an_eager_warm_up():
         assert not layer.step_graphs.warm and not layer.jobs.warm
         layer.step_graphs.warm.add(1)
         layer.jobs.warm.add(1)
-        layer.reset()
+        cache.reset()
+        assert layer.step_graphs.warm == {1} and layer.jobs.warm == {1}
+        ids2, mask2 = left_padded([60, 50])
+        generate(model, ids2, mask2, cache)  # batch 2: reallocated
+        assert layer.batch_size == 2 and 1 not in layer.jobs.warm
+        layer.step_graphs.warm.add(7)
+        layer._pending = ("whole-step", 0, 1)  # as a forward interrupted before this layer's attention leaves it
+        cache.reset()
         assert not layer.step_graphs.warm and not layer.jobs.warm
 
 

@@ -225,26 +225,19 @@ def test_generate_on_cuda_replays_the_whole_step_graph(selector):
         assert cache.graph_runner.steps > 0
 
 
-def test_the_pipeline_takes_the_graph_path(graph_on_cpu, monkeypatch):
-    """`oasis_hf.text_generation_pipeline` (its own fresh cache per call) decodes through the cache's DecodeGraph
-    with nothing but the pipeline call, and gives the text of the eager path."""
-    from oasis_hf.cache.oasis_cache import OasisCache
+def test_the_pipeline_takes_the_graph_path(graph_on_cpu):
+    """`oasis_hf.text_generation_pipeline` (its own cache, reset after every call) decodes through the cache's
+    DecodeGraph with nothing but the pipeline call, and gives the text of the eager path."""
     from tests._factories import tiny_tokenizer, words
 
-    steps = []
-    close = OasisCache.close
-
-    def record(cache):
-        steps.append(cache.graph_runner.steps if cache.graph_runner is not None else 0)
-        close(cache)
-
-    monkeypatch.setattr(OasisCache, "close", record)
     tok, prompt = tiny_tokenizer(), words(150, seed=1)
     cfg = dict(block_size=16, sink_tokens=16, recent_tokens=32, budget_tokens=128)
-    texts = []
+    texts, steps = [], []
     for whole_step in (False, True):
         pipe = oasis_hf.text_generation_pipeline(tiny_model("llama"), tok, oasis_hf.OasisConfig(**cfg,
                                                                                                  whole_step=whole_step))
         texts.append(pipe(prompt, max_new_tokens=12, do_sample=False)[0]["generated_text"])
+        runner = pipe.cache_slot.current.graph_runner
+        steps.append(runner.steps if runner is not None else 0)
     assert texts[0] == texts[1]
     assert steps == [0, 11]  # the prefill, then 11 decode forwards through the graph
