@@ -31,6 +31,11 @@ the default: what lm-eval's ``oasis`` model and a server do; the warm-up pins it
 from PyTorch's caching allocator; ``--host-pool none`` page-locks it in every call (up to a few tenths of a second
 at 16k that the prefill cannot hide).
 
+``--reuse`` keeps each row's state from its warm-up call to its timed call, as a server keeps it from one request to
+the next: the OasisKV rows run over one `OasisCache` per row, reset in between (`oasis_hf.CacheSlot`: its buffers,
+host store and captured graphs stay), and dense graphed keeps its K/V buffers and captured step
+(`eval.dense_baselines.DenseGraphedSession`). Then neither pays an eager step or a graph capture in the timed call.
+
 Reported per row: seconds (prefill included), new tokens/s over the batch, the time to the first token and the
 decode tokens/s after it (rows through ``model.generate`` and dense graphed); for ``model.generate`` rows also the
 seconds of the first decode steps (eager steps and graph captures: what each call pays once) and the median step
@@ -48,6 +53,7 @@ pool); the table keeps the first child's baseline row per batch, and every row r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import os
@@ -71,7 +77,7 @@ from eval._common import (
     synchronize,
     write_results,
 )
-from eval.dense_baselines import dense_graphed_generate
+from eval.dense_baselines import DenseGraphedSession, dense_graphed_generate
 from eval.plot import plot_e2e
 from oasis_hf import compat, models
 from oasis_hf.cli import passkey_prompt
@@ -193,6 +199,11 @@ def main() -> None:
     parser.add_argument("--host-pool", choices=["shared", "none"], default="shared",
                         help="shared: every OasisCache takes its pinned host store from one PinnedPool (as lm-eval's "
                              "model and a server reuse it; the warm-up pins it), none: each call page-locks afresh")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep each row's state from its warm-up call to its timed call, as a server keeps it "
+                             "from request to request: OasisKV rows run over one OasisCache per row, reset in between "
+                             "(oasis_hf.CacheSlot: buffers, host store and captured graphs kept), dense graphed keeps "
+                             "its K/V buffers and captured step (DenseGraphedSession); default: every call fresh")
     parser.add_argument("--isolate", action="store_true",
                         help="run every kind of every batch in a process of its own (with its own greedy baseline)")
     parser.add_argument(ISOLATED_FLAG, action="store_true", help=argparse.SUPPRESS)  # isolated_rows' children
@@ -220,6 +231,18 @@ def main() -> None:
         return oasis_hf.OasisConfig(budget_tokens=args.budget, selector=selector,
                                     compile_model=kind.endswith("-compiled"))
 
+    slots: dict[tuple, oasis_hf.CacheSlot] = {}  # --reuse: per (kind, selector)
+    sessions: dict[str, DenseGraphedSession] = {}  # --reuse: per dense graphed kind
+
+    def open_cache(kind: str, selector: str):
+        """The row's OasisCache for one call: with --reuse the row's slot's (reset afterwards), else a new one
+        (closed afterwards)."""
+        if not args.reuse:
+            return oasis_hf.OasisCache(model.config, cfg(selector, kind), host_pool=pool)
+        if (kind, selector) not in slots:
+            slots[kind, selector] = oasis_hf.CacheSlot(model.config, cfg(selector, kind), host_pool=pool)
+        return slots[kind, selector].cache()
+
     inputs, gen = None, None  # set per batch below
 
     def generate(kind: str, cache):
@@ -242,7 +265,9 @@ def main() -> None:
             # The timed row's capacity in the warm-up too: the compiled row then reuses the warm-up's compilation.
             out, ttft = dense_graphed_generate(model, inputs["input_ids"], inputs["attention_mask"],
                                                gen["max_new_tokens"], compiled=kind == "dense-graphed-compiled",
-                                               capacity=inputs["input_ids"].shape[1] + n)
+                                               capacity=inputs["input_ids"].shape[1] + n,
+                                               session=sessions.setdefault(kind, DenseGraphedSession())
+                                               if args.reuse else None)
             return out, None, t0 + ttft
         extra = {"assistant_model": draft} if kind == "assisted" else {}
         cache = cache if cache is not None else DynamicCache(config=model.config)
@@ -271,7 +296,7 @@ def main() -> None:
                     generate(kind, None)
                     continue
                 try:  # a path that fails here fails again in its timed row, which records the error
-                    with oasis_hf.OasisCache(model.config, cfg(selector, kind), host_pool=pool) as cache:
+                    with open_cache(kind, selector) as cache:
                         # Sized for the timed call's tokens: the pinned buffer this returns to the pool is the one
                         # the timed row takes, not one page-locked anew during its prefill.
                         cache.plan_tokens(inputs["input_ids"].shape[1] + n)
@@ -310,12 +335,14 @@ def main() -> None:
             variants = variants[:1] + [v for v in variants[1:] if v[1] in args.kinds]
         batch_rows = []
         for label, kind, selector in variants:
-            cache = oasis_hf.OasisCache(model.config, cfg(selector, kind), host_pool=pool) if selector else None
-            batch_rows.append(run_row(label, lambda: generate(kind, cache), inputs, tokenizer, keys, n))  # noqa: B023
-            if cache is not None:
-                cache.close()
+            with open_cache(kind, selector) if selector else contextlib.nullcontext() as cache:
+                batch_rows.append(run_row(label, lambda: generate(kind, cache), inputs, tokenizer, keys, n))  # noqa: B023
             cache = None  # collected before the next row starts timing (run_row collects)
             report(args, rows + finished(batch_rows, dtype), final=False)  # a cut-short run keeps its rows
+        for slot in slots.values():
+            slot.close()
+        slots.clear()
+        sessions.clear()
         rows += finished(batch_rows, dtype)
     report(args, rows, final=True)
 
@@ -353,6 +380,8 @@ def report(args, rows: list[dict], final: bool) -> None:
     draft = f"draft {args.draft}" if uses_draft(args.kinds) else "no draft (no row of this run uses one)"
     dtypes = sorted({str(r["dtype"]) for r in rows if r.get("dtype")})
     isolated = "; every kind in a process of its own (--isolate)" if args.isolate else ""
+    isolated += ("; each row's cache, buffers and captured graphs kept from its warm-up to its timed call (--reuse)"
+                 if args.reuse else "; every call with a new cache and new graphs")
     header = (f"Test configuration: {env.get('gpu', 'cpu')}, torch {env['torch']}, transformers {env['transformers']};"
               f" target {args.model} ({', '.join(dtypes) or '?'}){isolated}, "
               f"{draft}; pass-key prompts of about "

@@ -128,6 +128,10 @@ class PrefixDecode:
                     torch.arange(blocks, device=device).expand(batch, cfg.num_key_value_heads, -1),
                 )
         self.position, self.length, self.kv_start, self.slot_block = self._scalars[param.device]
+        self.register()
+
+    def register(self) -> None:
+        """Make `attention` the registered ``PREFIX_ATTENTION`` function (the latest `PrefixDecode` made holds it)."""
         AttentionInterface.register(PREFIX_ATTENTION, self.attention)
         AttentionMaskInterface.register(PREFIX_ATTENTION, compat.flash_attention_mask)
 
@@ -205,9 +209,25 @@ def _graph(fn, device: torch.device):
 
 
 @torch.inference_mode()
+class DenseGraphedSession:
+    """What `dense_graphed_generate` keeps from one call to the next when handed one, as a server keeps its decode
+    buffers and captured graphs (and as `oasis_hf.CacheSlot` keeps an OasisCache's): the preallocated K/V, the
+    step's input tensors and its captured graph, for one (batch, capacity, compiled) shape; a call of another shape
+    replaces them."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.decode: PrefixDecode | None = None
+        self.token: torch.Tensor | None = None  # (B, 1) the step's input token, written by the step itself
+        self.positions: torch.Tensor | None = None  # (B, 1) its position
+        self.target = None  # the model, or the model through torch.compile
+        self.graph = None  # the captured step (None until a call captured it, or without graphs)
+        self.captures = 0
+
+
 def dense_graphed_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                           graphs: bool = True, compiled: bool = False,
-                           capacity: int | None = None) -> tuple[torch.Tensor, float]:
+                           graphs: bool = True, compiled: bool = False, capacity: int | None = None,
+                           session: DenseGraphedSession | None = None) -> tuple[torch.Tensor, float]:
     """Greedy generation the dense-graphed way, end to end: a prefill over a `DynamicCache`, its K/V copied into
     preallocated buffers, then every decode step one replay of a captured forward whose attention (our Triton
     split-K kernel, the PyTorch twin on the CPU) reads the length from device memory, so one graph serves every
@@ -218,6 +238,8 @@ def dense_graphed_generate(model, input_ids: torch.Tensor, attention_mask: torch
     eagerly before the capture). `capacity`: K/V slots per sequence (default: the prompt plus `max_new_tokens`).
     ``torch.compile`` specialises on the buffers' shape, so calls that should share one compilation (a warm-up
     and the timed call after it) pass the same `capacity`; a new one recompiles, tens of seconds on a GPU.
+    `session`: buffers and graph kept across calls (`DenseGraphedSession`); a call of the shape of the previous one
+    replays the graph that call captured, with no eager step and no capture of its own.
 
     Returns ``(sequences (B, L + max_new_tokens), seconds to the first token)``.
     """
@@ -226,28 +248,39 @@ def dense_graphed_generate(model, input_ids: torch.Tensor, attention_mask: torch
     needed = length + max_new_tokens
     if capacity is not None and capacity < needed:
         raise ValueError(f"capacity={capacity} is below the prompt ({length}) plus max_new_tokens ({max_new_tokens})")
+    capacity = capacity or needed
+    session = session if session is not None else DenseGraphedSession()
+    key = (batch, capacity, compiled, graphs, device)
+    if session.key != key:
+        session.key, session.graph = None, None  # the old buffers go before the new ones are made
+        session.decode = PrefixDecode(model, batch, capacity, kernel="triton")
+        session.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        session.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        session.target = _target(model, compiled)
+        session.key = key
+    else:
+        session.decode.register()
+    decode, token, positions = session.decode, session.token, session.positions
     t0 = time.perf_counter()
     cache = DynamicCache(config=model.config)
     prompt_positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)  # as generate
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=prompt_positions, use_cache=True,
                 logits_to_keep=1, **{compat.cache_kwarg(model): cache})
-    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    token.copy_(out.logits[:, -1].argmax(-1, keepdim=True))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     ttft = time.perf_counter() - t0
-    decode = PrefixDecode(model, batch, capacity or needed, kernel="triton")
     for layer, k, v in zip(cache.layers, decode.keys, decode.values, strict=True):
         k[:, :, :length].copy_(layer.keys)
         v[:, :, :length].copy_(layer.values)
     del cache, out
     decode.kv_start.copy_(attention_mask.to(torch.bool).int().argmax(-1))
     decode.set_step(length)
-    positions = attention_mask.long().sum(-1, keepdim=True)  # the first new token's position per sequence
+    positions.copy_(attention_mask.long().sum(-1, keepdim=True))  # the first new token's position per sequence
     tokens = [token.clone()]
     previous = model.config._attn_implementation
     model.set_attn_implementation(PREFIX_ATTENTION)
-
-    target = _target(model, compiled)
+    target = session.target
 
     def step():
         logits = target(input_ids=token, position_ids=positions, use_cache=False, logits_to_keep=1).logits[:, -1]
@@ -257,24 +290,28 @@ def dense_graphed_generate(model, input_ids: torch.Tensor, attention_mask: torch
         decode.length.add_(1)
 
     try:
-        if max_new_tokens > 1:
-            if graphs and device.type == "cuda":  # the first step eagerly on a side stream (warm-up), then capture
+        steps = max_new_tokens - 1
+        if steps and graphs and device.type == "cuda":
+            if session.graph is None:  # the first step eagerly on a side stream (warm-up), then capture
                 stream = torch.cuda.Stream(device)
                 stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(stream):
                     step()
                 torch.cuda.current_stream(device).wait_stream(stream)
                 tokens.append(token.clone())
+                steps -= 1
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     step()  # captured, not run: the replays below run it
-                for _ in range(max_new_tokens - 2):
-                    graph.replay()
-                    tokens.append(token.clone())
-            else:
-                for _ in range(max_new_tokens - 1):
-                    step()
-                    tokens.append(token.clone())
+                session.graph = graph
+                session.captures += 1
+            for _ in range(steps):
+                session.graph.replay()
+                tokens.append(token.clone())
+        else:
+            for _ in range(steps):
+                step()
+                tokens.append(token.clone())
     finally:
         model.set_attn_implementation(previous)
     return torch.cat([input_ids, *tokens], dim=1), ttft

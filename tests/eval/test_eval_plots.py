@@ -803,6 +803,43 @@ def test_dense_graphed_generate_gives_the_tokens_of_generate():
     assert model.config._attn_implementation == before
 
 
+def test_dense_graphed_generate_with_a_session_decodes_each_call_as_a_fresh_one():
+    """Buffers kept across calls (`DenseGraphedSession`, a server's way): a second prompt of the same shape, and one of
+    another batch size (the session's buffers replaced), decode as calls without a session."""
+    import torch
+
+    from eval.dense_baselines import DenseGraphedSession, dense_graphed_generate
+    from tests._factories import tiny_model
+    from tests.test_generate import left_padded
+
+    model = tiny_model("llama")
+    session = DenseGraphedSession()
+    for lengths, seed in (([150, 97], 1), ([131, 140], 2), ([120], 3)):
+        ids, mask = left_padded(lengths, seed=seed)
+        out, _ = dense_graphed_generate(model, ids, mask, max_new_tokens=8, capacity=170, session=session)
+        ref, _ = dense_graphed_generate(model, ids, mask, max_new_tokens=8, capacity=170)
+        assert torch.equal(out, ref) and session.key[0] == len(lengths)
+
+
+@pytest.mark.gpu
+def test_dense_graphed_generate_with_a_session_captures_once_on_cuda():
+    """On CUDA the session's second call of the same shape replays the step the first captured (no eager step, no
+    capture) and decodes as a call without a session."""
+    import torch
+
+    from eval.dense_baselines import DenseGraphedSession, dense_graphed_generate
+    from tests._factories import tiny_model
+    from tests.test_generate import left_padded
+
+    model = tiny_model("llama", device="cuda")
+    session = DenseGraphedSession()
+    for seed in (1, 2):
+        ids, mask = (t.cuda() for t in left_padded([150, 97], seed=seed))
+        out, _ = dense_graphed_generate(model, ids, mask, max_new_tokens=8, capacity=170, session=session)
+        ref, _ = dense_graphed_generate(model, ids, mask, max_new_tokens=8, capacity=170)
+        assert torch.equal(out, ref) and session.captures == 1
+
+
 def test_dense_graphed_generate_compiled_gives_the_same_tokens():
     """The compiled variant of the end-to-end dense baseline (the model through torch.compile in every decode step;
     Inductor on the CPU) decodes the tokens of the eager one."""
