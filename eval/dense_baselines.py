@@ -208,7 +208,6 @@ def _graph(fn, device: torch.device):
     return graph, out
 
 
-@torch.inference_mode()
 class DenseGraphedSession:
     """What `dense_graphed_generate` keeps from one call to the next when handed one, as a server keeps its decode
     buffers and captured graphs (and as `oasis_hf.CacheSlot` keeps an OasisCache's): the preallocated K/V, the
@@ -225,6 +224,7 @@ class DenseGraphedSession:
         self.captures = 0
 
 
+@torch.inference_mode()
 def dense_graphed_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
                            graphs: bool = True, compiled: bool = False, capacity: int | None = None,
                            session: DenseGraphedSession | None = None) -> tuple[torch.Tensor, float]:

@@ -89,4 +89,6 @@ def test_host_store_is_pinned_at_its_exact_size():
     assert all(t.is_pinned() and t.data_ptr() >= segment.buffer.data.data_ptr() for t in segment.keys.values())
     with torch.inference_mode():  # the cache's tensors are inference tensors
         cache.reset()
+    assert cache.host.segments == [segment] and segment.buffer.data.is_pinned()  # kept for the next batch
+    cache.drop_host_store()
     assert not segment.buffer.data.is_pinned()  # unregistered when released

@@ -70,8 +70,8 @@ def test_long_and_short_writes_land_every_row_across_segments(contiguous, monkey
     monkeypatch.setattr(HostKVStore, "_copy_runs",
                         staticmethod(lambda s, d, f=HostKVStore._copy_runs: calls.append(s.is_cuda) or f(s, d)))
     store = HostKVStore([0, 5], batch, heads, dim, bs, dtype, pin=True, headroom_bytes=0, growth_tokens=bs)
-    first = run_tokens + 5 * bs
-    store.ensure_capacity(first)
+    store.ensure_capacity(run_tokens + 5 * bs)
+    first = store.capacity_blocks * bs  # the first segment, rounded up to its size class
     long, short = first + run_tokens + 3, 9  # the long write reaches past the first segment by more than one run
     store.ensure_capacity(long + short)
     assert len(store.segments) == 2
