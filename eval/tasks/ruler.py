@@ -156,8 +156,27 @@ def _fwe(rng, budget):
                "Answer:"
     weights = [1.0 / (rank + 1) ** 1.2 for rank in range(len(vocab))]
     room = budget.length - budget.count(head + question)
+    # The text is the fewest chunks of 50 drawn words whose tokens fill the room. Counting the whole text after
+    # every chunk is quadratic in the length (about 10 minutes for 50 samples at 64k), so a copy of the generator
+    # draws ahead and the count is found by doubling, then bisection (the token count grows with every chunk);
+    # then `rng` draws exactly those chunks, so the sample and every later draw are those of the chunk-by-chunk loop.
+    probe = random.Random()
+    probe.setstate(rng.getstate())
+    chunks: list[list[str]] = []
+
+    def fills(n: int) -> bool:
+        while len(chunks) < n:
+            chunks.append(probe.choices(vocab, weights=weights, k=50))
+        return budget.count(" ".join(w for chunk in chunks[:n] for w in chunk)) >= room
+
+    low, high = 0, 1  # fills(low) is False (no text), fills(high) is searched for
+    while not fills(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if fills(mid) else (mid, high)
     words: list[str] = []
-    while budget.count(" ".join(words)) < room:
+    for _ in range(high):
         words.extend(rng.choices(vocab, weights=weights, k=50))
     counts = Counter(words).most_common()
     # answer: the top 3, made unambiguous (the 4th is strictly less frequent)
