@@ -290,10 +290,10 @@ def cached_suite(tokenizer, model_name: str, lengths: list[int], samples: int) -
     """The suite for (the model's tokenizer, `lengths`, `samples`) as one folder per length, each written once under
     the model cache (``<OASIS_HF_CACHE>/suites/<key>``) and reused by later runs, whatever other lengths they ask for,
     and by the ``--parts`` workers: generating it tokenizes every prompt (on a 2-core CPU, 63 s at 30k and 136 s at
-    64k for the 9 tasks x 50 samples). The key covers the generator's source, so a changed generator writes a new suite; a file lock
-    makes concurrent workers wait for the first writer, and a folder counts only once its ``complete`` mark is
-    written. A folder copied from another machine or cache is pointed at its own data first (`relocate_suite`).
-    Pass the list to lm-eval's ``TaskManager(include_path=...)``."""
+    64k for the 9 tasks x 50 samples). The key covers the generator's source, so a changed generator writes a new
+    suite; a file lock makes concurrent workers wait for the first writer, and a folder counts only once its
+    ``complete`` mark is written. A folder copied from another machine or cache is pointed at its own data first
+    (`relocate_suite`). Pass the list to lm-eval's ``TaskManager(include_path=...)``."""
     import hashlib
     import inspect
 

@@ -147,6 +147,32 @@ def _cwe(rng, budget):
     return head + build(entries) + "\n" + question, common
 
 
+def _fewest_chunks(rng, draw, budget, room: int) -> list[str]:
+    """The words of the fewest chunks ``draw(rng)`` (a list of words each) whose joined text reaches `room` tokens,
+    with `rng` left where drawing them chunk by chunk leaves it.
+
+    Counting the whole text after every chunk is quadratic in the length (about 10 minutes for 50 samples of
+    ``fwe`` at 64k), so a copy of the generator draws ahead and the count is found by doubling, then bisection (the
+    token count grows with every chunk); then `rng` draws exactly those chunks.
+    """
+    probe = random.Random()
+    probe.setstate(rng.getstate())
+    chunks: list[list[str]] = []
+
+    def fills(n: int) -> bool:
+        while len(chunks) < n:
+            chunks.append(draw(probe))
+        return budget.count(" ".join(w for chunk in chunks[:n] for w in chunk)) >= room
+
+    low, high = 0, 1  # fills(low) is False (no text), fills(high) is searched for
+    while not fills(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if fills(mid) else (mid, high)
+    return [w for _ in range(high) for w in draw(rng)]
+
+
 def _fwe(rng, budget):
     vocab = [f"{rng.choice('bcdfghjklmnpqrstvwxz')}{rng.choice('aeiou')}{rng.choice('bcdfghjklmnpqrstvwxz')}"
              f"{rng.choice('aeiou')}{rng.choice('bcdfghjklmnpqrstvwxz')}" for _ in range(40)]
@@ -156,28 +182,7 @@ def _fwe(rng, budget):
                "Answer:"
     weights = [1.0 / (rank + 1) ** 1.2 for rank in range(len(vocab))]
     room = budget.length - budget.count(head + question)
-    # The text is the fewest chunks of 50 drawn words whose tokens fill the room. Counting the whole text after
-    # every chunk is quadratic in the length (about 10 minutes for 50 samples at 64k), so a copy of the generator
-    # draws ahead and the count is found by doubling, then bisection (the token count grows with every chunk);
-    # then `rng` draws exactly those chunks, so the sample and every later draw are those of the chunk-by-chunk loop.
-    probe = random.Random()
-    probe.setstate(rng.getstate())
-    chunks: list[list[str]] = []
-
-    def fills(n: int) -> bool:
-        while len(chunks) < n:
-            chunks.append(probe.choices(vocab, weights=weights, k=50))
-        return budget.count(" ".join(w for chunk in chunks[:n] for w in chunk)) >= room
-
-    low, high = 0, 1  # fills(low) is False (no text), fills(high) is searched for
-    while not fills(high):
-        low, high = high, 2 * high
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (low, mid) if fills(mid) else (mid, high)
-    words: list[str] = []
-    for _ in range(high):
-        words.extend(rng.choices(vocab, weights=weights, k=50))
+    words = _fewest_chunks(rng, lambda r: r.choices(vocab, weights=weights, k=50), budget, room)
     counts = Counter(words).most_common()
     # answer: the top 3, made unambiguous (the 4th is strictly less frequent)
     while counts[2][1] == counts[3][1]:

@@ -51,37 +51,26 @@ def test_answers_are_right(tok):
         assert sorted(held - {value}) == sorted(sample["outputs"])
 
 
-@pytest.mark.parametrize("length", [300, 2000])
-def test_fwe_text_is_that_of_counting_after_every_chunk(length, tok):
-    """The frequent-words builder finds its length by doubling and bisection; its samples (and the generator's state
-    after them) are those of counting the whole text after every chunk of 50 words, as it did before."""
+@pytest.mark.parametrize("room", [1, 37, 300, 2000])
+def test_fewest_chunks_are_those_of_counting_after_every_chunk(room, tok):
+    """The frequent-words builder finds its length by doubling and bisection; its words (and the generator's state
+    after them) are those of counting the whole text after every chunk, as it did before."""
     import random
 
     from eval.tasks import ruler
 
-    def chunk_by_chunk(rng, budget):  # the builder's earlier loop, up to the answer
-        vocab = [f"{rng.choice('bcdfghjklmnpqrstvwxz')}{rng.choice('aeiou')}{rng.choice('bcdfghjklmnpqrstvwxz')}"
-                 f"{rng.choice('aeiou')}{rng.choice('bcdfghjklmnpqrstvwxz')}" for _ in range(40)]
-        vocab = list(dict.fromkeys(vocab))
-        head = "Read the following coded text and keep track of how often each coded word appears.\n"
-        question = ("What are the 3 most frequently appearing coded words in the text above? Answer with the words "
-                    "only.\nAnswer:")
-        weights = [1.0 / (rank + 1) ** 1.2 for rank in range(len(vocab))]
-        room = budget.length - budget.count(head + question)
-        words = []
-        while budget.count(" ".join(words)) < room:
-            words.extend(rng.choices(vocab, weights=weights, k=50))
-        counts = Counter(words).most_common()
-        while counts[2][1] == counts[3][1]:
-            words.append(counts[2][0])
-            counts = Counter(words).most_common()
-        rng.shuffle(words)
-        return head + " ".join(words) + "\n" + question, [w for w, _ in counts[:3]]
+    budget = ruler._Budget(tok, room)
+    vocab = ["bavok", "tesum", "lirak", "mopex", "zuhan"]
 
-    budget = ruler._Budget(tok, length)
+    def draw(rng):
+        return rng.choices(vocab, weights=[5, 4, 3, 2, 1], k=50)
+
     for seed in range(4):
         new, old = random.Random(seed), random.Random(seed)
-        assert ruler._fwe(new, budget) == chunk_by_chunk(old, budget)
+        words = []
+        while budget.count(" ".join(words)) < room:
+            words.extend(draw(old))
+        assert ruler._fewest_chunks(new, draw, budget, room) == words
         assert new.getstate() == old.getstate()
 
 
