@@ -47,7 +47,6 @@ from oasis_hf.kernels import (
 )
 from oasis_hf.kernels.plan_blocks import supported as plan_kernel_supported
 from oasis_hf.kernels.ref import CODES_PER_BYTE
-from oasis_hf.kernels.sparse_attention import Tiling, default_tiling, sparse_attention_tiled
 
 logger = logging.getLogger("eval.bench_kernels")
 
@@ -92,9 +91,7 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes / (ms / 1e3) / 1e9
 
 
-def sparse_row(batch: int, kv_heads: int, q_heads: int, head_dim: int, budget: int, block: int, tokens: int,
-               tiling: Tiling | None = None) -> dict:
-    """One sparse-attention row: the kernel (its default tiling, or `tiling`) checked against its twin, then timed."""
+def sparse_row(batch: int, kv_heads: int, q_heads: int, head_dim: int, budget: int, block: int, tokens: int) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     slots = budget // block
     shape = (batch, kv_heads, slots, block, head_dim)
@@ -109,31 +106,14 @@ def sparse_row(batch: int, kv_heads: int, q_heads: int, head_dim: int, budget: i
     kv_start = torch.zeros(batch, dtype=torch.long, device="cuda")
     seq = torch.tensor(seq_len, device="cuda")
     scale = head_dim**-0.5
-    tiling = tiling or default_tiling(batch * kv_heads, slots, block, tokens)
-
-    def attend():
-        return sparse_attention_tiled(query, pool_k, pool_v, slot_block, seq, kv_start, scale, tiling)
-
+    out = sparse_attention(query, pool_k, pool_v, slot_block, seq, kv_start, scale)
     ref = sparse_attention_ref(query, pool_k, pool_v, slot_block, seq_len, kv_start, scale)
-    err = (attend().float() - ref.float()).abs().max().item()
-    ms = time_cuda(attend)
+    err = (out.float() - ref.float()).abs().max().item()
+    ms = time_cuda(lambda: sparse_attention(query, pool_k, pool_v, slot_block, seq, kv_start, scale))
     nbytes = 2 * pool_k.numel() * pool_k.element_size() + 2 * query.numel() * query.element_size()
     return {"kernel": "sparse_attention", "batch": batch, "H_kv": kv_heads, "H_q": q_heads, "D": head_dim,
-            "budget": budget, "T": tokens, "tiling": _tiling_name(tiling), "us": ms * 1e3, "MB read": nbytes / 1e6,
+            "budget": budget, "T": tokens, "us": ms * 1e3, "MB read": nbytes / 1e6,
             "GB/s": nbytes / (ms / 1e3) / 1e9, "max abs err vs twin": err}
-
-
-def _tiling_name(tiling: Tiling) -> str:
-    return (f"chunk {tiling.chunk}, {tiling.programs_per_sm}/SM, {tiling.num_warps} warps, {tiling.num_stages} "
-            f"stages, {'fused' if tiling.fused_merge else 'separate'} merge")
-
-
-def _parse_tiling(spec: str) -> Tiling | None:
-    """``default`` or ``chunk,programs_per_sm,warps,stages,fused`` (fused: 1 or 0)."""
-    if spec == "default":
-        return None
-    chunk, per_sm, warps, stages, fused = (int(x) for x in spec.split(","))
-    return Tiling(chunk, per_sm, warps, stages, bool(fused))
 
 
 def gather_rows(programs_list: list[int | None], batch: int = 8, heads: int = 8, per_head: int = 16,
@@ -476,11 +456,6 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--budgets", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8], help="query tokens per step (1 + drafts)")
-    parser.add_argument("--heads", nargs="+", default=["32/8"],
-                        help="attention shapes H_q/H_kv of the sparse-attention table (32/8: Llama-8B; 12/2: "
-                             "Qwen2.5-1.5B), head dim 128")
-    parser.add_argument("--tilings", nargs="+", default=["default"],
-                        help="sparse-attention layouts to time: 'default' or chunk,programs_per_sm,warps,stages,fused")
     parser.add_argument("--gather-programs", type=int, nargs="*", default=[0, 128, 64, 32, 16, 8, 4],
                         help="program caps of the gather table (0 = no cap); none: skip the table")
     parser.add_argument("--plan", type=str, nargs="*",
@@ -508,22 +483,18 @@ def main() -> None:
         parser.error("needs a CUDA GPU")
     hbm = copy_bandwidth()
     rows = []
-    tilings = [_parse_tiling(spec) for spec in args.tilings]
-    for heads in args.heads:
-        q_heads, kv_heads = (int(x) for x in heads.split("/"))
-        for batch in args.batches:
-            for budget in args.budgets:
-                for tokens in args.tokens:
-                    for tiling in tilings:
-                        row = sparse_row(batch, kv_heads, q_heads, 128, budget, 32, tokens, tiling)
-                        row["% of copy bandwidth"] = 100 * row["GB/s"] / hbm
-                        rows.append(row)
+    for batch in args.batches:
+        for budget in args.budgets:
+            for tokens in args.tokens:  # Llama-3.1-8B attention shape: 32 query heads over 8 KV heads, D = 128
+                row = sparse_row(batch, 8, 32, 128, budget, 32, tokens)
+                row["% of copy bandwidth"] = 100 * row["GB/s"] / hbm
+                rows.append(row)
     env = environment()
     header = (f"Test configuration: {env.get('gpu')}, torch {env['torch']}, triton {env['triton']}; bf16, block 32, "
               f"sequence length 32768; device-to-device copy bandwidth {hbm:.0f} GB/s (read + write, 4 GiB) in the "
               f"same run; `{env['command']}`\n\n")
-    columns = ["kernel", "batch", "H_q", "H_kv", "D", "budget", "T", "tiling", "us", "MB read", "GB/s",
-               "% of copy bandwidth", "max abs err vs twin"]
+    columns = ["kernel", "batch", "H_q", "H_kv", "D", "budget", "T", "us", "MB read", "GB/s", "% of copy bandwidth",
+               "max abs err vs twin"]
     table = header + markdown_table(rows, columns)
     gathers = gather_rows([p or None for p in args.gather_programs]) if args.gather_programs else []
     if gathers:

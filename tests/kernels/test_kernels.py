@@ -25,7 +25,6 @@ from oasis_hf.kernels import (
     write_tokens,
     write_tokens_ref,
 )
-from oasis_hf.kernels.sparse_attention import Tiling, sparse_attention_tiled
 
 needs_triton = pytest.mark.skipif(
     not (TRITON_AVAILABLE and (INTERPRET or torch.cuda.is_available())),
@@ -117,26 +116,6 @@ def _check_kernel(case, dtype, device):
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_sparse_attention_kernel_matches_twin(case, dtype):
     _check_kernel(case, dtype, "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")
-
-
-@needs_triton
-@pytest.mark.parametrize(
-    "tiling",
-    [Tiling(1, 2, 4, 1, False), Tiling(2, 2, 4, 2, True), Tiling(4, 4, 8, 3, True), Tiling(8, 2, 4, 2, False)],
-    ids=str,
-)
-def test_sparse_attention_tilings_match_twin(tiling):
-    """Chunks that do not divide the slots (the last chunk of a split is partly outside it), both merges, and a
-    chunk larger than a split's share: the layout changes float rounding only."""
-    device = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
-    for case in [(2, 8, 2, 1, 64, 5, 16, 75), (1, 7, 1, 4, 32, 7, 32, 230)]:
-        args = make_inputs(case, torch.float32, device)
-        out = sparse_attention_tiled(*args, tiling)
-        torch.testing.assert_close(out, sparse_attention_ref(*args), atol=1e-5, rtol=1e-5)
-        again = sparse_attention_tiled(*args, tiling)  # the fused merge's counters start from zero every call
-        torch.testing.assert_close(again, out, atol=0, rtol=0)
-    with pytest.raises(ValueError, match="chunk a power of two"):
-        sparse_attention_tiled(*args, tiling._replace(chunk=3))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
