@@ -38,6 +38,8 @@ from eval.plot import plot_kernels
 from oasis_hf.cache.block_table import BlockTable
 from oasis_hf.cache.prefetch import background_stream
 from oasis_hf.kernels import (
+    block_mass,
+    block_mass_ref,
     copy_rows,
     gather_blocks,
     score_blocks,
@@ -230,6 +232,31 @@ def plan_rows(shapes: list[tuple[int, int, int, int]]) -> list[dict]:
         row["speed-up"] = row["twin us"] / row["kernel us"]
         rows.append(row)
         logger.info("plan %s", row)
+    return rows
+
+
+def mass_rows(shapes: list[tuple[int, int, int, int, int]]) -> list[dict]:
+    """The prefill window's exact attention mass per block (`block_mass`: two launches) against its PyTorch twin
+    (a float32 GEMM, mask, softmax and sums over (B, H_kv, G * W, N) float32 tensors), bf16, D 128, blocks of 32,
+    both replayed in a CUDA graph; checked against the twin first. Each shape is (B, H_q, H_kv, W, N): the last W
+    queries against N keys."""
+    rows = []
+    for batch, q_heads, kv_heads, window, num_keys in shapes:
+        gen = torch.Generator(device="cuda").manual_seed(num_keys)
+        query = torch.randn(batch, q_heads, window, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        keys = torch.randn(batch, kv_heads, num_keys, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        q_pos = torch.arange(num_keys - window, num_keys, device="cuda")
+        kv_start = torch.zeros(batch, dtype=torch.long, device="cuda")
+        capacity = -(-num_keys // 32)
+        args = (query, keys, 128**-0.5, q_pos, kv_start, 32, capacity)
+        err = (block_mass(*args) - block_mass_ref(*args)).abs().max().item()
+        row = {"B": batch, "H_q": q_heads, "H_kv": kv_heads, "W": window, "N": num_keys,
+               "kernel us": 1e3 * time_cuda(lambda a=args: block_mass(*a), per_graph=5),
+               "twin us": 1e3 * time_cuda(lambda a=args: block_mass_ref(*a), per_graph=5),
+               "max abs err vs twin": err}
+        row["speed-up"] = row["twin us"] / row["kernel us"]
+        rows.append(row)
+        logger.info("mass %s", row)
     return rows
 
 
@@ -464,6 +491,9 @@ def main() -> None:
     parser.add_argument("--score", type=str, nargs="*",
                         default=["8,8,1025,1", "16,8,1025,1", "1,8,4097,1", "8,8,1025,5"],
                         help="shapes B,H_kv,NB,T of the scoring table (none: skip it)")
+    parser.add_argument("--mass", type=str, nargs="*", default=["8,12,2,32,16000", "1,12,2,32,16000",
+                                                                  "8,32,8,32,32512"],
+                        help="shapes B,H_q,H_kv,W,N of the prefill-window mass table (none: skip it)")
     parser.add_argument("--score-summaries", nargs="+", default=["mean"], choices=["mean", "quantized"],
                         help="summary kinds of the scoring table (quantized: its bytes and time beside mean keys)")
     parser.add_argument("--projections", type=int, nargs="*", default=[1, 8, 16],
@@ -518,6 +548,13 @@ def main() -> None:
                   "written, the scores written:\n\n")
         table += markdown_table(scores, ["summary", "B", "H_kv", "NB", "T", "us", "MB moved", "GB/s", "rules equal",
                                          "max rel err vs twin"])
+    masses = mass_rows([tuple(int(x) for x in shape.split(",")) for shape in args.mass])
+    if masses:
+        table += ("\n\nThe prefill window's first selection (`block_mass`: the exact attention mass per block of the "
+                  "last W queries, two launches) against its PyTorch twin, bf16, D 128, blocks of 32, replayed in a "
+                  "CUDA graph:\n\n")
+        table += markdown_table(masses, ["B", "H_q", "H_kv", "W", "N", "kernel us", "twin us", "speed-up",
+                                         "max abs err vs twin"])
     projections = projection_rows(args.projections) if args.projections else []
     if projections:
         table += ("\n\nWeight GEMMs of one Llama-8B layer (cuBLAS, bf16; plus the SwiGLU product), 32 layers per CUDA "
@@ -536,7 +573,7 @@ def main() -> None:
         table += markdown_table(interference, ["batch", "GEMMs", "beside the GEMMs", "us per layer-step", "excess us",
                                                "part alone us"])
     finish(args, table, {"env": env, "copy GB/s": hbm, "rows": rows, "gather": gathers, "plan": plans,
-                         "score": scores, "projections": projections, "job interference": interference},
+                         "score": scores, "mass": masses, "projections": projections, "job interference": interference},
            plot_kernels)
 
 

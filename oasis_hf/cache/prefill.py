@@ -16,13 +16,15 @@ import torch
 from oasis_hf.cache.scoring import block_mass, block_scores, plan, token_ok
 from oasis_hf.config import blocks_for
 from oasis_hf.errors import UnsupportedError
+from oasis_hf.kernels import use_triton
 from oasis_hf.kernels.dense import dense_attention
 
 if TYPE_CHECKING:
     from oasis_hf.cache.layer import OasisLayer
 
 
-#: Bytes of float32 temporaries one `block_mass` call of the prefill window may hold (`prefill_scores`).
+#: Bytes of float32 temporaries one `block_mass` call of the prefill window may hold on the PyTorch path
+#: (`prefill_scores`; the Triton kernel holds none of that size).
 MASS_CHUNK_BYTES = 256 * 2**20
 
 
@@ -108,16 +110,21 @@ def prefill_scores(layer: OasisLayer, query, keys, scale: float, start: int, end
     mass = torch.zeros(layer.batch_size, layer.num_kv_heads, layer.table.capacity_blocks, device=layer.device)
     heads = layer.num_kv_heads
     group = q.shape[1] // heads
-    # As many (sequence, KV head) pairs per call as fit in MASS_CHUNK_BYTES of float32 temporaries (the G * W rows'
-    # logits and probabilities, the keys in float32): the whole batch in one call at 16k tokens on Qwen2.5-1.5B,
-    # a few calls at 32k on Llama-8B's shape, one KV head at a time only beyond that.
-    pairs = max(1, MASS_CHUNK_BYTES // (4 * end * (4 * group * window + layer.head_dim)))
+    backend = layer.config.kernel_backend
+    if use_triton(q, backend):  # the kernel holds no temporaries of that size: the whole batch in one call
+        pairs = layer.batch_size * heads
+    else:
+        # As many (sequence, KV head) pairs per call as fit in MASS_CHUNK_BYTES of the twin's float32 temporaries
+        # (the G * W rows' logits and probabilities, the keys in float32): the whole batch in one call at 16k tokens
+        # on Qwen2.5-1.5B, a few calls at 32k on Llama-8B's shape, one KV head at a time only beyond that.
+        pairs = max(1, MASS_CHUNK_BYTES // (4 * end * (4 * group * window + layer.head_dim)))
     sequences, heads_per = (max(1, pairs // heads), heads) if pairs >= heads else (1, pairs)
     for b in range(0, layer.batch_size, sequences):
         for h in range(0, heads, heads_per):
             mass[b : b + sequences, h : h + heads_per] = block_mass(
                 q[b : b + sequences, h * group : (h + heads_per) * group], keys[b : b + sequences, h : h + heads_per],
                 scale, q_pos, layer.kv_start[b : b + sequences], layer.config.block_size, layer.table.capacity_blocks,
+                backend,
             )
     return block_scores(layer, q, scale, last, num_tokens=1, raw=mass)
 

@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from oasis_hf.cache.block_table import INF
-from oasis_hf.config import blocks_for
-from oasis_hf.kernels import score_blocks, score_blocks_ref, use_triton
+from oasis_hf.kernels import block_mass as kernel_block_mass
+from oasis_hf.kernels import block_mass_ref, score_blocks, score_blocks_ref, use_triton
 from oasis_hf.selectors.base import ScoringContext
 
 if TYPE_CHECKING:
@@ -70,24 +69,11 @@ def token_ok(layer: OasisLayer, block_ids: torch.Tensor, end) -> torch.Tensor:
 
 
 def block_mass(query: torch.Tensor, keys: torch.Tensor, scale: float, q_pos: torch.Tensor, kv_start: torch.Tensor,
-               block_size: int, capacity_blocks: int) -> torch.Tensor:
-    """Exact causal softmax attention mass per block, summed over a GQA group's query rows.
-
-    query : (B, H_q, T, D) at positions `q_pos` (T,); keys : (B, H_kv, N, D) positions ``0 .. N-1``; kv_start : (B,)
-    first real key (left padding). Returns (B, H_kv, capacity_blocks) float32, zero past the last block.
-    """
-    batch, _, num_tokens, head_dim = query.shape
-    num_kv_heads, length = keys.shape[1], keys.shape[2]
-    q = query.float().reshape(batch, num_kv_heads, -1, head_dim)  # rows ordered (g, t)
-    logits = torch.einsum("bhmd,bhnd->bhmn", q, keys.float()) * scale
-    key_pos = torch.arange(length, device=keys.device)
-    rows_pos = q_pos.repeat(q.shape[2] // num_tokens)
-    allowed = (key_pos[None, :] <= rows_pos[:, None])[None, None] & (key_pos >= kv_start.view(-1, 1, 1, 1))
-    probs = torch.softmax(logits.masked_fill(~allowed, -INF), dim=-1).nan_to_num(0.0).sum(2)
-    num_blocks = blocks_for(length, block_size)
-    probs = torch.nn.functional.pad(probs, (0, num_blocks * block_size - length))
-    mass = probs.view(batch, num_kv_heads, num_blocks, block_size).sum(-1)
-    return torch.nn.functional.pad(mass, (0, capacity_blocks - num_blocks))
+               block_size: int, capacity_blocks: int, backend: str = "auto") -> torch.Tensor:
+    """Exact causal softmax attention mass per block (`oasis_hf.kernels.block_mass`, or its twin by `backend`);
+    (B, H_kv, capacity_blocks) float32."""
+    mass = kernel_block_mass if use_triton(query, backend) else block_mass_ref
+    return mass(query, keys, scale, q_pos, kv_start, block_size, capacity_blocks)
 
 
 def exact_block_mass(layer: OasisLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
@@ -98,7 +84,7 @@ def exact_block_mass(layer: OasisLayer, query: torch.Tensor, scale: float) -> to
     num_tokens = query.shape[2]
     q_pos = layer.length - num_tokens + torch.arange(num_tokens, device=layer.device)
     return block_mass(query, keys, scale, q_pos, layer.kv_start, layer.config.block_size,
-                      layer.table.capacity_blocks)
+                      layer.table.capacity_blocks, layer.config.kernel_backend)
 
 
 def measure_recall(layer: OasisLayer, query: torch.Tensor, scale: float) -> None:

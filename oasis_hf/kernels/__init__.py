@@ -16,12 +16,14 @@ from __future__ import annotations
 
 from oasis_hf.kernels.append_tokens import append_tokens, write_tokens
 from oasis_hf.kernels.backend import INTERPRET, TRITON_AVAILABLE, use_triton
+from oasis_hf.kernels.block_mass import block_mass
 from oasis_hf.kernels.copy_rows import copy_rows
 from oasis_hf.kernels.gather_blocks import gather_blocks
 from oasis_hf.kernels.plan_blocks import plan_blocks
 from oasis_hf.kernels.ref import (
     SUMMARY_LAYOUT,
     append_tokens_ref,
+    block_mass_ref,
     copy_rows_ref,
     gather_blocks_ref,
     plan_blocks_ref,
@@ -38,6 +40,8 @@ __all__ = [
     "TRITON_AVAILABLE",
     "append_tokens",
     "append_tokens_ref",
+    "block_mass",
+    "block_mass_ref",
     "copy_rows",
     "copy_rows_ref",
     "gather_blocks",

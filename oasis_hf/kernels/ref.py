@@ -91,6 +91,56 @@ def sparse_attention_ref(
     return out.to(query.dtype)
 
 
+def block_mass_ref(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    scale: float,
+    q_pos: torch.Tensor,
+    kv_start: torch.Tensor,
+    block_size: int,
+    capacity_blocks: int,
+) -> torch.Tensor:
+    """Exact causal softmax attention mass per block, summed over a GQA group's query rows (twin of `block_mass`).
+
+    Parameters
+    ----------
+    query : (B, H_q, T, D)
+        Queries at positions `q_pos` (T,) integer.
+    keys : (B, H_kv, N, D)
+        Every key, at positions ``0 .. N - 1``.
+    scale : float
+        Softmax scale.
+    q_pos : (T,) integer; kv_start : (B,) integer
+        The queries' positions; each sequence's first real key (left padding before it is never attended).
+    block_size, capacity_blocks : int
+        Tokens per block; width of the result (``>= ceil(N / block_size)``).
+
+    Returns
+    -------
+    (B, H_kv, capacity_blocks) float32: per block, the softmax probabilities of its keys summed over the ``G * T``
+    rows of the group (a row sees the keys ``kv_start[b] <= n <= q_pos[t]``; a row that sees none adds nothing);
+    zero past the last block.
+    """
+    batch, _, num_tokens, head_dim = query.shape
+    num_kv_heads, length = keys.shape[1], keys.shape[2]
+    q = query.float().reshape(batch, num_kv_heads, -1, head_dim)  # rows ordered (g, t)
+    logits = torch.einsum("bhmd,bhnd->bhmn", q, keys.float()) * scale
+    key_pos = torch.arange(length, device=keys.device)
+    rows_pos = q_pos.repeat(q.shape[2] // num_tokens)
+    allowed = (key_pos[None, :] <= rows_pos[:, None])[None, None] & (key_pos >= kv_start.view(-1, 1, 1, 1))
+    probs = torch.softmax(logits.masked_fill(~allowed, -_INF), dim=-1).nan_to_num(0.0).sum(2)
+    return token_mass_per_block(probs, block_size, capacity_blocks)
+
+
+def token_mass_per_block(mass: torch.Tensor, block_size: int, capacity_blocks: int) -> torch.Tensor:
+    """(B, H_kv, N) per-token mass -> (B, H_kv, capacity_blocks) per-block sums, zero past the last block."""
+    batch, heads, length = mass.shape
+    num_blocks = -(-length // block_size)
+    mass = torch.nn.functional.pad(mass, (0, num_blocks * block_size - length))
+    mass = mass.view(batch, heads, num_blocks, block_size).sum(-1)
+    return torch.nn.functional.pad(mass, (0, capacity_blocks - num_blocks))
+
+
 def copy_rows_ref(
     src: torch.Tensor,
     src_offsets: torch.Tensor,

@@ -37,8 +37,8 @@ def spy_block_mass(monkeypatch) -> list:
     calls = []
     original = prefill_module.block_mass
 
-    def spy(query, keys, scale, q_pos, kv_start, block_size, capacity):
-        out = original(query, keys, scale, q_pos, kv_start, block_size, capacity)
+    def spy(query, keys, scale, q_pos, kv_start, block_size, capacity, backend="auto"):
+        out = original(query, keys, scale, q_pos, kv_start, block_size, capacity, backend)
         calls.append((query.shape[2], q_pos.clone(), keys.shape[2], out))
         return out
 

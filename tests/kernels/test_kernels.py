@@ -12,6 +12,8 @@ from oasis_hf.kernels import (
     TRITON_AVAILABLE,
     append_tokens,
     append_tokens_ref,
+    block_mass,
+    block_mass_ref,
     copy_rows,
     copy_rows_ref,
     gather_blocks,
@@ -87,7 +89,7 @@ def test_twins_have_identical_signatures():
     from oasis_hf import kernels
 
     twins = [name for name in kernels.__all__ if f"{name}_ref" in kernels.__all__]
-    assert len(twins) == 7, twins
+    assert len(twins) == 8, twins
     for name in twins:
         kernel, twin = getattr(kernels, name), getattr(kernels, f"{name}_ref")
         assert inspect.signature(kernel) == inspect.signature(twin), name
@@ -116,6 +118,38 @@ def _check_kernel(case, dtype, device):
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_sparse_attention_kernel_matches_twin(case, dtype):
     _check_kernel(case, dtype, "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")
+
+
+# (B, H_q, H_kv, T, N, D, BS, capacity): GQA 1/3/4, one and several query tokens, partial last block and tile,
+# odd head dims, a row past the keys' end, spare capacity
+MASS_CASES = [
+    (2, 4, 2, 3, 70, 8, 16, 6),
+    (1, 6, 2, 5, 200, 64, 32, 8),
+    (3, 8, 8, 1, 130, 80, 16, 12),
+    (2, 12, 3, 7, 33, 16, 32, 3),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", MASS_CASES, ids=str)
+def test_block_mass_kernel_matches_twin(case, dtype):
+    """Each row's causal softmax over its visible keys, summed per block: left padding (kv_start), queries earlier
+    than the last key, and a row that sees no key at all (its position is before its sequence's first real key)."""
+    b, hq, hkv, t, n, d, bs, capacity = case
+    gen = torch.Generator().manual_seed(n)
+    device = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+    query = torch.randn(b, hq, t, d, generator=gen).to(device, dtype)
+    keys = torch.randn(b, hkv, n, d, generator=gen).to(device, dtype)
+    q_pos = torch.arange(n - t, n).to(device)
+    q_pos[0] = 3  # an early query: sees few keys, none where the sequence starts later
+    kv_start = torch.tensor([0, 9, 2][:b]).to(device)
+    got = block_mass(query, keys, d**-0.5, q_pos, kv_start, bs, capacity)
+    want = block_mass_ref(query, keys, d**-0.5, q_pos, kv_start, bs, capacity)
+    assert got.shape == want.shape == (b, hkv, capacity) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    rows_seeing_keys = hq // hkv * (t - 1) + hq // hkv * (kv_start <= 3).to(torch.float32)  # per (sequence, head)
+    torch.testing.assert_close(got.sum(-1), rows_seeing_keys[:, None].expand(b, hkv).to(got), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
