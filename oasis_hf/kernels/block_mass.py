@@ -41,15 +41,14 @@ _BLOCK_N = 64
 if triton is not None:
 
     @triton.jit
-    def _row_tile(Q, QPOS, b, h, r0, stride_qb, stride_qh, stride_qt, num_rows, dims, dim_ok,
-                  GROUP: tl.constexpr, NUM_TOKENS: tl.constexpr, BLOCK_M: tl.constexpr,
-                  DOT_FP32: tl.constexpr):  # fmt: skip
+    def _row_tile(Q, QPOS, b, h, r0, stride_qb, stride_qh, stride_qt, num_rows, num_tokens, dims, dim_ok,
+                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr):  # fmt: skip
         """Rows ``r0 .. r0 + BLOCK_M - 1`` of the group (row ``m = g * T + t``: query head ``h * G + g``, token
         ``t``): the (BLOCK_M, BLOCK_D) query tile, the rows' positions (-1 past the last row) and their validity."""
         rows = r0 + tl.arange(0, BLOCK_M)
         row_ok = rows < num_rows
-        g = rows // NUM_TOKENS
-        t = rows % NUM_TOKENS
+        g = rows // num_tokens
+        t = rows % num_tokens
         q = tl.load(Q + b.to(tl.int64) * stride_qb + (h * GROUP + g)[:, None] * stride_qh + t[:, None] * stride_qt
                     + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         if DOT_FP32:
@@ -72,12 +71,15 @@ if triton is not None:
         allowed = ((cols < n_hi) & (cols >= kv_start))[None, :] & (cols[None, :] <= q_pos[:, None]) & row_ok[:, None]
         return tl.where(allowed, s, float("-inf"))
 
-    @triton.jit
-    def _stats_kernel(Q, K, QPOS, KV_START, M_PART, L_PART, num_keys, keys_per_split, num_rows,
-                      stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kn,
-                      H_KV: tl.constexpr, GROUP: tl.constexpr, NUM_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      NUM_SPLITS: tl.constexpr, SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
+    # The lengths are not specialised (Triton compiles a variant per "divisible by 16" / "equals 1" pattern of its
+    # integer arguments): every prompt length would otherwise pick one of several variants.
+    _SIZES = ["num_keys", "keys_per_split", "num_rows", "num_tokens", "num_splits"]
+
+    @triton.jit(do_not_specialize=_SIZES)
+    def _stats_kernel(Q, K, QPOS, KV_START, M_PART, L_PART, num_keys, keys_per_split, num_rows, num_tokens,
+                      num_splits, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kn,
+                      H_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
                       IEEE: tl.constexpr):  # fmt: skip
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -89,8 +91,8 @@ if triton is not None:
         n_lo = split * keys_per_split
         n_hi = tl.minimum(n_lo + keys_per_split, num_keys)
         for r0 in range(0, num_rows, BLOCK_M):
-            q, q_pos, rows, row_ok = _row_tile(Q, QPOS, b, h, r0, stride_qb, stride_qh, stride_qt, num_rows, dims,
-                                               dim_ok, GROUP, NUM_TOKENS, BLOCK_M, DOT_FP32)
+            q, q_pos, rows, row_ok = _row_tile(Q, QPOS, b, h, r0, stride_qb, stride_qh, stride_qt, num_rows,
+                                               num_tokens, dims, dim_ok, GROUP, BLOCK_M, DOT_FP32)
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
             for n0 in range(n_lo, n_hi, BLOCK_N):
@@ -101,16 +103,16 @@ if triton is not None:
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet stays at zero
                 l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
                 m_i = m_new
-            part = (bh * NUM_SPLITS + split) * num_rows + rows
+            part = (bh * num_splits + split) * num_rows + rows
             tl.store(M_PART + part, m_i, mask=row_ok)
             tl.store(L_PART + part, l_i, mask=row_ok)
 
-    @triton.jit
-    def _tokens_kernel(Q, K, QPOS, KV_START, ROW_MAX, ROW_SUM, MASS, num_keys, keys_per_split, num_rows,
-                       stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kn,
-                       H_KV: tl.constexpr, GROUP: tl.constexpr, NUM_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE: tl.constexpr,
-                       DOT_FP32: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    @triton.jit(do_not_specialize=_SIZES)
+    def _tokens_kernel(Q, K, QPOS, KV_START, ROW_MAX, ROW_SUM, MASS, num_keys, keys_per_split, num_rows, num_tokens,
+                       num_splits, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kn,
+                       H_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
+                       IEEE: tl.constexpr):  # fmt: skip
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // H_KV
@@ -125,7 +127,7 @@ if triton is not None:
             mass = tl.zeros([BLOCK_N], tl.float32)
             for r0 in range(0, num_rows, BLOCK_M):
                 q, q_pos, rows, row_ok = _row_tile(Q, QPOS, b, h, r0, stride_qb, stride_qh, stride_qt, num_rows,
-                                                   dims, dim_ok, GROUP, NUM_TOKENS, BLOCK_M, DOT_FP32)
+                                                   num_tokens, dims, dim_ok, GROUP, BLOCK_M, DOT_FP32)
                 s = _logits(q, K, b, h, cols, n_hi, kv_start, q_pos, row_ok, stride_kb, stride_kh, stride_kn, dims,
                             dim_ok, SCALE, DOT_FP32, IEEE)
                 row_max = tl.load(ROW_MAX + bh * num_rows + rows, mask=row_ok, other=0.0)
@@ -204,18 +206,20 @@ def block_mass(
     fp32 = query.dtype == torch.float32 or keys.dtype == torch.float32
     if query.dtype != keys.dtype:
         query, keys = query.float(), keys.float()
-    common = dict(H_KV=num_kv_heads, GROUP=group, NUM_TOKENS=num_tokens, HEAD_DIM=head_dim, BLOCK_D=block_d,
+    common = dict(H_KV=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
                   BLOCK_M=block_m, BLOCK_N=_BLOCK_N, SCALE=float(scale), DOT_FP32=INTERPRET or fp32,
                   IEEE=not INTERPRET and fp32)
+    # The lengths (keys, window, splits) are unspecialised runtime arguments: a new prompt length, or a last prefill
+    # chunk shorter than the window, compiles nothing new.
+    sizes = (num_keys, per_split, num_rows, num_tokens, splits)
     strides = (query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2))
     m_part = torch.empty(batch_heads, splits, num_rows, device=dev, dtype=torch.float32)
     l_part = torch.empty_like(m_part)
-    _stats_kernel[(batch_heads, splits)](query, keys, q_pos, kv_start, m_part, l_part, num_keys, per_split,
-                                         num_rows, *strides, NUM_SPLITS=splits, **common)
+    _stats_kernel[(batch_heads, splits)](query, keys, q_pos, kv_start, m_part, l_part, *sizes, *strides, **common)
     row_max = m_part.amax(1)  # (B * H_kv, rows)
     row_max = torch.where(row_max == float("-inf"), 0.0, row_max)
     row_sum = (l_part * torch.exp(m_part - row_max[:, None])).sum(1)
     mass = torch.empty(batch, num_kv_heads, num_keys, device=dev, dtype=torch.float32)
-    _tokens_kernel[(batch_heads, splits)](query, keys, q_pos, kv_start, row_max, row_sum, mass, num_keys,
-                                          per_split, num_rows, *strides, **common)
+    _tokens_kernel[(batch_heads, splits)](query, keys, q_pos, kv_start, row_max, row_sum, mass, *sizes, *strides,
+                                          **common)
     return token_mass_per_block(mass, block_size, capacity_blocks)
