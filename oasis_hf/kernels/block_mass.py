@@ -4,7 +4,7 @@ float32 temporaries.
 The first selection after a prefill ranks blocks by the exact softmax attention of the prompt's last ``W``
 queries (`OasisConfig.prefill_window_tokens`). In PyTorch (`block_mass_ref`) that is a float32 GEMM of the
 ``G * W`` rows of each GQA group against every key, a mask, a softmax and a sum, each a pass over a
-``(B, H_kv, G * W, N)`` float32 tensor: at batch 8 x 16k tokens on Qwen2.5-1.5B about 1.4 ms per layer, the
+``(B, H_kv, G * W, N)`` float32 tensor: at batch 8 x 16k tokens on Qwen2.5-1.5B about 1.2 ms per layer, the
 largest share of what OasisKV's prefill adds to a dense one. Here the keys are read twice and nothing of that
 size is written:
 
