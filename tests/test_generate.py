@@ -356,6 +356,35 @@ def test_chunked_prefill_equals_one_prefill(family, selector, why):
     assert stats["fetched_blocks"] > 0
 
 
+def test_chunked_prefill_on_the_triton_kernels_equals_the_twins():
+    """A prompt in chunks of 120, 100 and 80 tokens on the Triton kernels (each chunk's first selection from the
+    exact mass of its last queries, `block_mass`; then the fused decode step) gives the twins' logits and tokens."""
+    from oasis_hf.kernels import INTERPRET, TRITON_AVAILABLE
+
+    if not (TRITON_AVAILABLE and (INTERPRET or torch.cuda.is_available())):
+        pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1 (set by .ci/run)")
+    dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+    model = tiny_model("llama", attn="oasis", device=dev)
+    ids = torch.randint(1, VOCAB, (2, 300), generator=torch.Generator().manual_seed(11)).to(dev)
+    runs = []
+    for backend in ("torch", "triton"):
+        # Jobs inline: Triton's interpreter cannot run kernels from two threads.
+        with oasis_cache(model, kernel_backend=backend, selector="lookahead", budget_tokens=96, max_fetch_blocks=2,
+                         prefill_window_tokens=16, prefetch=False) as cache, torch.inference_mode():
+            logits, at = [], 0
+            for size in (120, 100, 80):
+                logits.append(model(ids[:, at : at + size], past_key_values=cache, use_cache=True).logits)
+                at += size
+            token, tokens = logits[-1][:, -1:].argmax(-1), []
+            for _ in range(6):
+                tokens.append(token)
+                token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            runs.append((torch.cat(logits, dim=1), torch.cat(tokens, dim=1), cache.stats.summary()["fetched_blocks"]))
+    (twin_logits, twin_tokens, twin_fetched), (logits, tokens, fetched) = runs
+    torch.testing.assert_close(logits, twin_logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(tokens, twin_tokens) and fetched == twin_fetched > 0
+
+
 def test_generate_with_hf_prefill_chunking_equals_one_prefill():
     """transformers' own chunked prefill (`prefill_chunk_size`) runs on OasisCache and gives the same tokens."""
     model = tiny_model("llama", attn="oasis")
