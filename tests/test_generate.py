@@ -333,27 +333,26 @@ def test_chunked_prefill_equals_one_prefill(family, selector, why):
     model = tiny_model(family, attn="oasis")
     ids = torch.randint(1, VOCAB, (2, 300), generator=torch.Generator().manual_seed(11))
     fields = dict(max_fetch_blocks=2, selector=selector, **why)
-
-    def run(chunks):
-        cache = oasis_cache(model, **fields)
-        with torch.inference_mode():
-            logits, at = [], 0
-            for size in chunks:
-                logits.append(model(ids[:, at : at + size], past_key_values=cache, use_cache=True).logits)
-                at += size
-            token, tokens = logits[-1][:, -1:].argmax(-1), []
-            for _ in range(12):
-                tokens.append(token)
-                token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        stats = cache.stats.summary()
-        cache.close()
-        return torch.cat(logits, dim=1), torch.cat(tokens, dim=1), stats
-
-    one, one_tokens, _ = run([300])
-    chunked, chunked_tokens, stats = run([120, 100, 80])
+    one, one_tokens, _ = _prompt_in_chunks(model, ids, [300], 12, **fields)
+    chunked, chunked_tokens, fetched = _prompt_in_chunks(model, ids, [120, 100, 80], 12, **fields)
     torch.testing.assert_close(chunked, one, atol=1e-4, rtol=1e-4)
     assert torch.equal(chunked_tokens, one_tokens)
-    assert stats["fetched_blocks"] > 0
+    assert fetched > 0
+
+
+def _prompt_in_chunks(model, ids, chunks, new_tokens, **fields):
+    """Feed `ids` to a new OasisCache(`fields`) in forwards of `chunks` tokens, then decode `new_tokens` greedily:
+    (the prompt's logits, the tokens, the blocks fetched)."""
+    with oasis_cache(model, **fields) as cache, torch.inference_mode():
+        logits, at = [], 0
+        for size in chunks:
+            logits.append(model(ids[:, at : at + size], past_key_values=cache, use_cache=True).logits)
+            at += size
+        token, tokens = logits[-1][:, -1:].argmax(-1), []
+        for _ in range(new_tokens):
+            tokens.append(token)
+            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        return torch.cat(logits, dim=1), torch.cat(tokens, dim=1), cache.stats.summary()["fetched_blocks"]
 
 
 def test_chunked_prefill_on_the_triton_kernels_equals_the_twins():
@@ -366,21 +365,11 @@ def test_chunked_prefill_on_the_triton_kernels_equals_the_twins():
     dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
     model = tiny_model("llama", attn="oasis", device=dev)
     ids = torch.randint(1, VOCAB, (2, 300), generator=torch.Generator().manual_seed(11)).to(dev)
-    runs = []
-    for backend in ("torch", "triton"):
-        # Jobs inline: Triton's interpreter cannot run kernels from two threads.
-        with oasis_cache(model, kernel_backend=backend, selector="lookahead", budget_tokens=96, max_fetch_blocks=2,
-                         prefill_window_tokens=16, prefetch=False) as cache, torch.inference_mode():
-            logits, at = [], 0
-            for size in (120, 100, 80):
-                logits.append(model(ids[:, at : at + size], past_key_values=cache, use_cache=True).logits)
-                at += size
-            token, tokens = logits[-1][:, -1:].argmax(-1), []
-            for _ in range(6):
-                tokens.append(token)
-                token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-            runs.append((torch.cat(logits, dim=1), torch.cat(tokens, dim=1), cache.stats.summary()["fetched_blocks"]))
-    (twin_logits, twin_tokens, twin_fetched), (logits, tokens, fetched) = runs
+    # Jobs inline: Triton's interpreter cannot run kernels from two threads.
+    fields = dict(selector="lookahead", budget_tokens=96, max_fetch_blocks=2, prefill_window_tokens=16, prefetch=False)
+    twin_logits, twin_tokens, twin_fetched = _prompt_in_chunks(model, ids, [120, 100, 80], 6, kernel_backend="torch",
+                                                               **fields)
+    logits, tokens, fetched = _prompt_in_chunks(model, ids, [120, 100, 80], 6, kernel_backend="triton", **fields)
     torch.testing.assert_close(logits, twin_logits, atol=1e-4, rtol=1e-4)
     assert torch.equal(tokens, twin_tokens) and fetched == twin_fetched > 0
 

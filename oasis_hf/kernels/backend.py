@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -50,3 +51,9 @@ def use_triton(tensor: torch.Tensor, backend: str) -> bool:
         _logged.add(key)
         logger.info("oasis_hf kernels: backend=%s on %s -> %s", backend, tensor.device, "triton" if choice else "torch")
     return choice
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA `device` (the kernels size their grids by it)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -20,12 +20,11 @@ masses equal the twin's up to the order of the sums. Twin: `block_mass_ref` (``o
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
-from oasis_hf.kernels.backend import INTERPRET
+from oasis_hf.kernels.backend import INTERPRET, sm_count
 from oasis_hf.kernels.ref import token_mass_per_block
 
 try:
@@ -39,6 +38,19 @@ _BLOCK_N = 64
 
 
 if triton is not None:
+
+    @triton.jit
+    def _program(KV_START, num_keys, keys_per_split, H_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_D: tl.constexpr):  # fmt: skip
+        """This program's (sequence, KV head) ``bh = b * H_kv + h`` and split: (bh, split, b, h, the sequence's
+        first real key, head dims and their validity, its keys ``n_lo .. n_hi - 1``)."""
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        b = bh // H_KV
+        dims = tl.arange(0, BLOCK_D)
+        n_lo = split * keys_per_split
+        return (bh, split, b, bh % H_KV, tl.load(KV_START + b), dims, dims < HEAD_DIM, n_lo,
+                tl.minimum(n_lo + keys_per_split, num_keys))
 
     @triton.jit
     def _row_tile(Q, QPOS, b, h, r0, stride_qb, stride_qh, stride_qt, num_rows, num_tokens, dims, dim_ok,
@@ -81,15 +93,8 @@ if triton is not None:
                       H_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
                       IEEE: tl.constexpr):  # fmt: skip
-        bh = tl.program_id(0)
-        split = tl.program_id(1)
-        b = bh // H_KV
-        h = bh % H_KV
-        kv_start = tl.load(KV_START + b)
-        dims = tl.arange(0, BLOCK_D)
-        dim_ok = dims < HEAD_DIM
-        n_lo = split * keys_per_split
-        n_hi = tl.minimum(n_lo + keys_per_split, num_keys)
+        bh, split, b, h, kv_start, dims, dim_ok, n_lo, n_hi = _program(KV_START, num_keys, keys_per_split, H_KV,
+                                                                        HEAD_DIM, BLOCK_D)
         for r0 in range(0, num_rows, BLOCK_M):
             q, q_pos, rows, row_ok = _row_tile(Q, QPOS, b, h, r0, stride_qb, stride_qh, stride_qt, num_rows,
                                                num_tokens, dims, dim_ok, GROUP, BLOCK_M, DOT_FP32)
@@ -113,15 +118,8 @@ if triton is not None:
                        H_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
                        IEEE: tl.constexpr):  # fmt: skip
-        bh = tl.program_id(0)
-        split = tl.program_id(1)
-        b = bh // H_KV
-        h = bh % H_KV
-        kv_start = tl.load(KV_START + b)
-        dims = tl.arange(0, BLOCK_D)
-        dim_ok = dims < HEAD_DIM
-        n_lo = split * keys_per_split
-        n_hi = tl.minimum(n_lo + keys_per_split, num_keys)
+        bh, split, b, h, kv_start, dims, dim_ok, n_lo, n_hi = _program(KV_START, num_keys, keys_per_split, H_KV,
+                                                                        HEAD_DIM, BLOCK_D)
         for n0 in range(n_lo, n_hi, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
             mass = tl.zeros([BLOCK_N], tl.float32)
@@ -138,11 +136,6 @@ if triton is not None:
             tl.store(MASS + bh.to(tl.int64) * num_keys + cols, mass, mask=cols < n_hi)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _keys_per_split(batch_heads: int, num_keys: int, device: torch.device) -> int:
     """Keys per program: about two programs per SM, each over whole tiles (three splits in the interpreter, to
     exercise the merge)."""
@@ -150,7 +143,7 @@ def _keys_per_split(batch_heads: int, num_keys: int, device: torch.device) -> in
     if device.type != "cuda":
         splits = min(3, tiles)
     else:
-        splits = max(1, min(tiles, math.ceil(2 * _sm_count(device) / batch_heads)))
+        splits = max(1, min(tiles, math.ceil(2 * sm_count(device) / batch_heads)))
     return triton.cdiv(tiles, splits) * _BLOCK_N
 
 
@@ -163,26 +156,9 @@ def block_mass(
     block_size: int,
     capacity_blocks: int,
 ) -> torch.Tensor:
-    """Exact causal softmax attention mass per block, summed over a GQA group's query rows (Triton; twin:
-    `block_mass_ref`).
-
-    Parameters
-    ----------
-    query : (B, H_q, T, D)
-        Queries at positions `q_pos` (T,) integer.
-    keys : (B, H_kv, N, D)
-        Every key, at positions ``0 .. N - 1``.
-    scale : float
-        Softmax scale.
-    q_pos : (T,) integer; kv_start : (B,) integer
-        The queries' positions; each sequence's first real key (left padding before it is never attended).
-    block_size, capacity_blocks : int
-        Tokens per block; width of the result (``>= ceil(N / block_size)``).
-
-    Returns
-    -------
-    (B, H_kv, capacity_blocks) float32, zero past the last block; equal to the twin's up to float rounding.
-    """
+    """Exact causal softmax attention mass per block, summed over a GQA group's query rows (Triton): query (B,
+    H_q, T, D), keys (B, H_kv, N, D) -> (B, H_kv, capacity_blocks) float32. Arguments and result as its twin
+    `block_mass_ref`, which states them, up to float rounding."""
     batch, num_q_heads, num_tokens, head_dim = query.shape
     _, num_kv_heads, num_keys, _ = keys.shape
     if num_q_heads % num_kv_heads or keys.shape[0] != batch or keys.shape[-1] != head_dim:

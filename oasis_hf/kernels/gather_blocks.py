@@ -12,10 +12,9 @@ of the plan is walked only up to its last valid entry (a plan lists the blocks t
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from oasis_hf.kernels.backend import sm_count
 from oasis_hf.kernels.copy_rows import _TILE_ELEMS
 
 try:
@@ -84,13 +83,6 @@ if triton is not None:
                 tl.store(DST_V + dst[:, None] + cols[None, :], v, mask=mask)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 2  # the interpreter: a small persistent grid still loops over every entry
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _check(src_k, src_v, dst_k, dst_v, blocks, slots, valid) -> None:
     if not (src_k.dtype == src_v.dtype == dst_k.dtype == dst_v.dtype):
         raise ValueError("gather_blocks: the four K/V tensors must share one dtype")
@@ -149,7 +141,8 @@ def gather_blocks(
     block = min(triton.next_power_of_2(row), _TILE_ELEMS // 2)  # K and V tiles in flight together
     rows = max(2, min(_TILE_ELEMS // 2 // block, triton.next_power_of_2(per_head)))
     num_rows = batch * heads
-    programs = max_programs or 2 * _sm_count(dst_k.device)
+    # The interpreter runs a small persistent grid (it still loops over every entry).
+    programs = max_programs or 2 * (sm_count(dst_k.device) if dst_k.is_cuda else 2)
     parts = max(1, min(programs // num_rows, triton.cdiv(per_head, rows)))  # programs sharing a row
     programs = min(programs, num_rows * parts)
     grid = (programs, triton.cdiv(row, block))

@@ -22,13 +22,12 @@ Twin: `score_blocks_ref` (``oasis_hf.kernels.ref``), which states the rules.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from oasis_hf.kernels._tiles import load_query_tile
-from oasis_hf.kernels.backend import INTERPRET
+from oasis_hf.kernels.backend import INTERPRET, sm_count
 from oasis_hf.kernels.ref import CODE_BITS, CODES_PER_BYTE, SUMMARY_LAYOUT
 
 try:
@@ -310,15 +309,10 @@ if triton is not None:
             tl.store(OUT + row + cols, out, mask=in_cap)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _splits(batch_heads: int, num_cap: int, device: torch.device) -> tuple[int, int]:
     """(splits, blocks per split) of a table of `num_cap` blocks: about two programs per SM on the GPU."""
     tiles = max(1, math.ceil(num_cap / _BLOCK_N))
-    target = min(3, tiles) if device.type != "cuda" else math.ceil(2 * _sm_count(device) / batch_heads)
+    target = min(3, tiles) if device.type != "cuda" else math.ceil(2 * sm_count(device) / batch_heads)
     splits = max(1, min(tiles, target))
     per_split = math.ceil(tiles / splits) * _BLOCK_N
     return math.ceil(num_cap / per_split), per_split

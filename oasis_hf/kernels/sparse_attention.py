@@ -20,13 +20,12 @@ interpreter path upcasts everything to float32 first (`DOT_FP32`).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from oasis_hf.kernels._tiles import load_query_tile
-from oasis_hf.kernels.backend import INTERPRET
+from oasis_hf.kernels.backend import INTERPRET, sm_count
 
 try:
     import triton
@@ -166,16 +165,11 @@ if triton is not None:
         tl.store(ptrs, out.to(OUT.dtype.element_ty), mask=mask)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _num_splits(batch_heads: int, num_slots: int, device: torch.device) -> int:
     """About two programs per SM, each over at least 4 slots (more splits cost the merge more than they gain)."""
     if device.type != "cuda":
         return min(3, num_slots)  # interpreter: exercise the merge (and its padding to 4 splits), keep the grid small
-    sms = _sm_count(device)
+    sms = sm_count(device)
     return max(1, min(math.ceil(num_slots / 4), math.ceil(2 * sms / batch_heads)))
 
 
