@@ -186,6 +186,12 @@ class OasisConfig:
         Forwards it cannot take (sliding-window layers, several devices, the stale policy, ``measure_recall``, a
         remote tier, attention or hidden-state outputs) run eagerly, with one log line saying why. Default True;
         False keeps every forward eager (per-layer graphs, see `cuda_graphs`). The CPU always runs eagerly.
+    queued_generate : bool
+        With the whole-step graph path, ``model.generate`` over this cache (greedy or sampling, no drafts) reads
+        its stop flag one step late (transformers' deferred stop check), so the host queues each step while the
+        GPU runs the previous one instead of both waiting for each other every step; an EOS that ends every
+        sequence costs one extra forward, which is undone (`oasis_hf.integrations.queued_generate`). Default True;
+        False keeps transformers' loop, which synchronises with the device every step.
     cuda_graphs : bool
         On CUDA, capture each layer's decode step (selection, delta, fetch, sparse attention) in a CUDA graph per
         forward length ``T <= 16`` and replay it: one graph launch per layer instead of the step's 5-8 kernel
@@ -237,6 +243,7 @@ class OasisConfig:
     dense_chunk_tokens: int = 64
     drop_rejected_drafts: bool = True
     whole_step: bool = True
+    queued_generate: bool = True
     cuda_graphs: bool = True
     compile_model: bool = False
     compile_mode: str | None = None
@@ -317,7 +324,7 @@ class OasisConfig:
                 raise bad("pin_host_memory", True, "page-locked host memory is for GPU transfers and this torch sees "
                           "no CUDA device; use None (pin when CUDA is present) or False")
         for name in ("prefetch", "measure_recall", "cuda_graphs", "drop_rejected_drafts", "whole_step",
-                     "compile_model"):
+                     "queued_generate", "compile_model"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, getattr(self, name), "use True or False")
         if self.compile_mode not in COMPILE_MODES:

@@ -355,7 +355,8 @@ class OasisCache(Cache):
         max_length = int(max_length)
         length = self.get_seq_length()
         remove = max(0, length - max_length) if max_length > 0 else -max_length
-        if self.config.drop_rejected_drafts:  # first, before any layer waits for its job and the worker moves on
+        # First, before any layer waits for its job and the worker moves on (crop(0), a no-op, drops nothing).
+        if remove and self.config.drop_rejected_drafts:
             for layer in self._oasis_layers:
                 layer.drop_rejected(remove)
         for layer in self.layers:

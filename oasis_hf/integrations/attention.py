@@ -17,7 +17,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from oasis_hf import compat
 from oasis_hf.cache.layer import layer_of, windowed
 from oasis_hf.errors import UnsupportedError
-from oasis_hf.integrations import capacity, fast_path
+from oasis_hf.integrations import capacity, fast_path, queued_generate
 from oasis_hf.kernels.dense import dense_attention
 
 ATTENTION_NAME = "oasis"
@@ -111,8 +111,9 @@ def register(name: str = ATTENTION_NAME) -> str:
 def enable(model, name: str = ATTENTION_NAME):
     """Register the attention, switch `model` (text part only for multimodal models) to it, install the whole-step
     graph path for its decode forwards over an `OasisCache` (`oasis_hf.integrations.fast_path`; opt out per cache
-    with `OasisConfig.whole_step=False`) and the host store's sizing when ``generate`` starts
-    (`oasis_hf.integrations.capacity`); returns `model`."""
+    with `OasisConfig.whole_step=False`), the host store's sizing when ``generate`` starts
+    (`oasis_hf.integrations.capacity`) and, on that path, ``generate``'s loop without a device sync per step
+    (`oasis_hf.integrations.queued_generate`; opt out with `OasisConfig.queued_generate=False`); returns `model`."""
     register(name)
     config = model.config
     if getattr(config, "text_config", None) is not None and getattr(config, "vision_config", None) is not None:
@@ -121,4 +122,5 @@ def enable(model, name: str = ATTENTION_NAME):
         model.set_attn_implementation(name)
     fast_path.install(model)
     capacity.install(model)
+    queued_generate.install(model)
     return model
