@@ -108,11 +108,12 @@ def uses_draft(kinds: list[str] | None) -> bool:
 
 
 class StepClock(StoppingCriteria):
-    """Never stops; stamps the time of every call, after the device finished the work queued so far (``generate``
-    reads the device every step anyway): the first stamp is the first token (time to first token), the later ones
-    split the decode phase into its first steps (eager steps and graph captures) and the steady steps after them.
-    Without the synchronisation a stamp is when the host had queued the work, which can be long before the device
-    ran it."""
+    """Never stops; stamps the time of every call (once per step). The first call waits for the device (the first
+    token: time to first token); later ones stamp without waiting, so that the clock adds no synchronisation to
+    the loop it times: transformers' loop waits for every step itself, the queued loop
+    (`oasis_hf.integrations.queued_generate`) stays at most one step ahead of the device, so in steady state the
+    intervals between stamps are the device's steps. They split the decode phase into its first steps (eager steps
+    and graph captures) and the steady steps after them."""
 
     def __init__(self) -> None:
         self.stamps: list[float] = []
@@ -122,7 +123,8 @@ class StepClock(StoppingCriteria):
         return self.stamps[0] if self.stamps else None
 
     def __call__(self, input_ids, scores, **kwargs):
-        synchronize()
+        if not self.stamps:
+            synchronize()
         self.stamps.append(time.perf_counter())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
