@@ -173,3 +173,56 @@ def test_queued_loop_on_cuda_replays_and_matches_transformers_loop():
         out, steps, length, ran = _run(model, ids, mask, queued=True, **kw)
         assert ran and steps > 0
         assert torch.equal(out, ref) and length == ref_length, kw
+
+
+def _spied(monkeypatch) -> list:
+    calls = []
+    original = queued_generate.queued_sample
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(queued_generate, "queued_sample", spy)
+    return calls
+
+
+def test_the_pipeline_decodes_with_the_queued_loop(graph_on_cpu, monkeypatch):
+    """`oasis_hf.text_generation_pipeline` (its own cache per call) takes the queued loop with nothing but the
+    pipeline call, and gives the text of transformers' loop."""
+    from tests._factories import tiny_tokenizer, words
+
+    calls = _spied(monkeypatch)
+    tok, prompt = tiny_tokenizer(), words(150, seed=2)
+    texts = []
+    for queued in (False, True):
+        config = oasis_hf.OasisConfig(block_size=16, sink_tokens=16, recent_tokens=32, budget_tokens=128,
+                                      queued_generate=queued)
+        pipe = oasis_hf.text_generation_pipeline(tiny_model("llama"), tok, config)
+        texts.append(pipe(prompt, max_new_tokens=12, do_sample=False)[0]["generated_text"])
+        assert bool(calls) == queued
+    assert texts[0] == texts[1]
+
+
+def test_lm_eval_generate_until_decodes_with_the_queued_loop(graph_on_cpu, monkeypatch):
+    """The lm-eval model's plain requests (no drafts, ``graphs`` off) go through ``model.generate``, hence the queued
+    loop, with lm-eval's stop-sequence criteria: the texts of transformers' loop."""
+    pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra; `pip install -e .[dev]`")
+    from lm_eval.api.instance import Instance
+
+    from oasis_hf.integrations.lm_eval import OasisLM
+    from tests._factories import tiny_tokenizer
+
+    calls = _spied(monkeypatch)
+    tok = tiny_tokenizer()
+    prompts = [" ".join(f"w{(i * 7 + j) % 90}" for j in range(n)) for i, n in enumerate((40, 55, 31))]
+    texts = []
+    for queued in (False, True):
+        lm = OasisLM(pretrained=tiny_model("llama"), tokenizer=tok, budget=128, block_size=16, device="cpu",
+                     batch_size=3, max_length=1024, queued_generate=queued)
+        gen = {"until": ["w3"], "max_gen_toks": 12, "do_sample": False}
+        requests = [Instance(request_type="generate_until", doc={}, arguments=(p, dict(gen)), idx=i)
+                    for i, p in enumerate(prompts)]
+        texts.append(lm.generate_until(requests, disable_tqdm=True))
+        assert bool(calls) == queued
+    assert all(texts[0]) and texts[0] == texts[1]
