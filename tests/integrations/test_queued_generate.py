@@ -38,6 +38,15 @@ class Collect(BaseStreamer):
 
 def _run(model, ids, mask, queued: bool, **kw):
     """(tokens, graph forwards run, cache length afterwards, whether queued_sample ran)."""
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _spied(mp)
+        with oasis_cache(model, queued_generate=queued, **SMALL) as cache:
+            out = generate(model, ids, mask, cache, **kw)
+            return out, cache.graph_runner.steps, cache.get_seq_length(), bool(calls)
+
+
+def _spied(monkeypatch) -> list:
+    """A list that gets one entry per call of `queued_sample` while `monkeypatch` is active."""
     calls = []
     original = queued_generate.queued_sample
 
@@ -45,11 +54,8 @@ def _run(model, ids, mask, queued: bool, **kw):
         calls.append(1)
         return original(*args, **kwargs)
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(queued_generate, "queued_sample", spy)
-        with oasis_cache(model, queued_generate=queued, **SMALL) as cache:
-            out = generate(model, ids, mask, cache, **kw)
-            return out, cache.graph_runner.steps, cache.get_seq_length(), bool(calls)
+    monkeypatch.setattr(queued_generate, "queued_sample", spy)
+    return calls
 
 
 def test_routing_follows_the_cache_and_the_call(graph_on_cpu):
@@ -173,18 +179,6 @@ def test_queued_loop_on_cuda_replays_and_matches_transformers_loop():
         out, steps, length, ran = _run(model, ids, mask, queued=True, **kw)
         assert ran and steps > 0
         assert torch.equal(out, ref) and length == ref_length, kw
-
-
-def _spied(monkeypatch) -> list:
-    calls = []
-    original = queued_generate.queued_sample
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(queued_generate, "queued_sample", spy)
-    return calls
 
 
 def test_the_pipeline_decodes_with_the_queued_loop(graph_on_cpu, monkeypatch):
