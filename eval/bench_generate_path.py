@@ -7,13 +7,16 @@ OasisKV's prefill against dense prefill, on the same model in one process.
 A random-weight Llama-3.1-8B-shaped model (bf16). Rows (``rows`` of the JSON):
 
 - ``{"kind": "decode", "path", "batch", "context", "ms_per_step"}`` for each selector (``--selectors``):
-  ``DecodeGraph`` (one whole-step graph replay per step, called directly), ``model.generate`` (transformers' loop,
-  greedy, routed to the same graph by `oasis_hf.enable`), ``model.generate (per-layer)`` (``whole_step=False``: the
-  model's eager modules around per-layer graphs) and ``dense graphed`` (`eval.dense_baselines`, the reference of the
-  fused-step benchmark). The K/V are random (no prefill forward); ``model.generate`` gets the cached tokens plus one
-  as ``input_ids``, so its first forward is already a decode step. A step of ``model.generate`` is the time between
-  consecutive calls of a stopping criterion (the loop synchronises once per step); ``host ms/step`` is the host
-  time of its steps outside the graph replay, from ``cProfile`` (top functions in the JSON).
+  ``DecodeGraph`` (one whole-step graph replay per step, called directly, synchronised per step),
+  ``model.generate`` (greedy, routed to the same graph by `oasis_hf.enable`, the queued loop:
+  `OasisConfig.queued_generate`), ``model.generate (transformers' loop)`` (``queued_generate=False``: a device
+  synchronisation per step), ``model.generate (per-layer)`` (``whole_step=False``: the model's eager modules around
+  per-layer graphs) and ``dense graphed`` (`eval.dense_baselines`, the reference of the fused-step benchmark).
+  The K/V are random (no prefill forward); ``model.generate`` gets the cached tokens plus one as ``input_ids``, so
+  its first forward is already a decode step. A step of ``model.generate`` is the time between consecutive calls
+  of a stopping criterion (transformers' loop synchronises once per step; the queued loop stays at most one step
+  ahead of the device); ``host ms/step`` is the host time of the queued loop's steps, from ``cProfile`` (top
+  functions in the JSON).
 - ``{"kind": "prefill", "method": "dense" | "oasis", "batch", "context", "seconds"}``: one forward over a random
   prompt (``logits_to_keep=1``), dense with transformers' `DynamicCache` and SDPA, OasisKV with a fresh cache whose
   host store is allocated and page-locked during the prefill (``oasis``, what a first ``generate`` call pays) and
@@ -128,10 +131,11 @@ def decode_rows(model, selector: str, pool: PinnedPool, batch: int, context: int
                         percentile(times, 0.9), "raw_ms": times})
 
     # model.generate: the whole-step graph through oasis_hf.enable's forward wrapper, then the per-layer path.
-    paths = [("model.generate", True)] + ([] if compiled else [("model.generate (per-layer)", False)])
-    for path, whole in paths:
+    paths = [("model.generate", True, True), ("model.generate (transformers' loop)", True, False)]
+    paths += [] if compiled else [("model.generate (per-layer)", False, True)]
+    for path, whole, queued in paths:
         release_memory()
-        cfg = oasis_hf.OasisConfig(**fields, whole_step=whole)
+        cfg = oasis_hf.OasisConfig(**fields, whole_step=whole, queued_generate=queued)
         with _filled_cache(model, cfg, pool, batch, context) as cache:
             ids = torch.randint(0, model.config.vocab_size, (batch, context + 1), device=device)
             clock = StepClock()
@@ -144,7 +148,7 @@ def decode_rows(model, selector: str, pool: PinnedPool, batch: int, context: int
             generate(ids, warmup + repeats + 1)
             times = clock.step_ms(warmup)
             host_s, top = (None, [])
-            if whole:  # where the loop's host time goes, over `repeats` more steps on the same (captured) graph
+            if whole and queued:  # where the loop's host time goes, over `repeats` more steps on the same graph
                 cache.reset()
                 fill_random_kv(model, cache, batch, context, next(model.parameters()).dtype)
                 out = generate(ids, warmup + 1)  # continued below: the cache holds its tokens

@@ -753,8 +753,9 @@ def test_floor_bench_runs_one_compiled_variant_per_mode_and_labels_it():
 
 def test_generate_path_bench_runs_its_decode_and_prefill_rows(tmp_path, monkeypatch):
     """Plumbing only, on the CPU (no graphs, no timing asserted): per selector the DecodeGraph row, the
-    model.generate rows through the forward wrapper and the per-layer path (with the host profile of the loop), and
-    the prefill rows of dense and OasisKV (fresh and from a warm pool), with the fields the acceptance reads."""
+    model.generate rows through the forward wrapper (queued loop, with the host profile, and transformers' loop) and
+    the per-layer path, and the prefill rows of dense and OasisKV (fresh and from a warm pool), with the fields the
+    acceptance reads."""
     import sys
 
     from eval import bench_generate_path
@@ -767,7 +768,7 @@ def test_generate_path_bench_runs_its_decode_and_prefill_rows(tmp_path, monkeypa
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert not [r for r in rows if r["kind"] == "error"], rows
     decode = [r for r in rows if r["kind"] == "decode"]
-    paths = ("DecodeGraph", "model.generate", "model.generate (per-layer)")
+    paths = ("DecodeGraph", "model.generate", "model.generate (transformers' loop)", "model.generate (per-layer)")
     assert sorted((r["selector"], r["path"]) for r in decode) == sorted(
         (s, p) for s in ("static", "lookahead") for p in paths)
     for row in decode:
