@@ -220,3 +220,21 @@ def test_lm_eval_generate_until_decodes_with_the_queued_loop(graph_on_cpu, monke
         texts.append(lm.generate_until(requests, disable_tqdm=True))
         assert bool(calls) == queued
     assert all(texts[0]) and texts[0] == texts[1]
+
+
+def test_a_continuation_after_a_stopped_call_matches_transformers_loop(graph_on_cpu):
+    """A second generate call that continues the first one's output on the same cache (transformers' continuation
+    from a cache): after a call the criterion stopped early (extra step undone), the tokens are those of
+    transformers' loop."""
+    model = oasis_hf.enable(tiny_model("llama"))
+    ids, mask = left_padded([120, 90])
+    stop = StoppingCriteriaList([AfterSeven(ids.shape[1])])
+    outs = []
+    for queued in (False, True):
+        with oasis_cache(model, queued_generate=queued, **SMALL) as cache:
+            first = generate(model, ids, mask, cache, stopping_criteria=stop)
+            assert first.shape[1] == ids.shape[1] + 7
+            longer = torch.cat([mask, mask.new_ones(mask.shape[0], first.shape[1] - ids.shape[1])], dim=1)
+            outs.append(model.generate(input_ids=first, attention_mask=longer, past_key_values=cache,
+                                       max_new_tokens=8, do_sample=False, pad_token_id=0))
+    assert torch.equal(outs[0], outs[1])
