@@ -1,5 +1,6 @@
 """The one place that knows transformers-version details (5.17 .. 5.x): the decoder config of a multimodal model,
-its layer types, the keyword its forward takes the cache under, logits of the last position only, cropping a cache.
+its layer types, the keyword its forward takes the cache under, logits of the last position only, cropping a cache,
+the output of a decoding loop.
 Integrations built on this package (and its own evaluation code) use these instead of branching on versions."""
 
 from __future__ import annotations
@@ -59,3 +60,14 @@ def crop_to(cache, keep: int) -> None:
     remove = cache.get_seq_length() - keep
     if remove > 0:
         cache.crop(-remove)
+
+
+def decoder_only_output(sequences, scores, logits, cache):
+    """transformers' ``GenerateDecoderOnlyOutput`` of a greedy / sampling loop; its cache field is ``cache``
+    (transformers >= 5.2x) or ``past_key_values`` (5.17)."""
+    from dataclasses import fields
+
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    name = "cache" if "cache" in {f.name for f in fields(GenerateDecoderOnlyOutput)} else "past_key_values"
+    return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits, **{name: cache})

@@ -28,8 +28,9 @@ import logging
 import torch
 from torch import nn
 from transformers.generation.configuration_utils import GenerationMode
-from transformers.generation.utils import GENERATION_MODES_MAPPING, GenerateDecoderOnlyOutput
+from transformers.generation.utils import GENERATION_MODES_MAPPING
 
+from oasis_hf import compat
 from oasis_hf.cache.oasis_cache import OasisCache
 from oasis_hf.integrations import fast_path
 
@@ -214,6 +215,5 @@ def queued_sample(
     if streamer is not None:
         streamer.end()
     if return_dict:
-        return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits,
-                                         past_key_values=model_kwargs.get("past_key_values", cache))
+        return compat.decoder_only_output(input_ids, scores, raw_logits, cache)
     return input_ids

@@ -128,6 +128,7 @@ def test_eos_stopping_criterion_streamer_and_scores_as_with_dynamic_cache(graph_
                              return_dict_in_generate=True, output_scores=True, output_logits=True)
         results.append((out, streamer.chunks))
     (want, want_chunks), (got, got_chunks) = results
+    assert got.get("cache", got.get("past_key_values")) is cache  # the OasisCache, under this transformers' name
     assert got.sequences.shape[1] == ids.shape[1] + new  # stopped at the EOS
     assert torch.equal(got.sequences, want.sequences)
     assert len(got.scores) == len(want.scores) == new and len(got.logits) == new
