@@ -31,6 +31,9 @@ the default: what lm-eval's ``oasis`` model and a server do; the warm-up pins it
 from PyTorch's caching allocator; ``--host-pool none`` page-locks it in every call (up to a few tenths of a second
 at 16k that the prefill cannot hide).
 
+``--timed-calls N`` times N calls per row (after the one warm-up); the row is the call of median seconds, with the
+slowest and fastest call's tokens/s beside it.
+
 ``--reuse`` keeps each row's state from its warm-up call to its timed call, as a server keeps it from one request to
 the next: the OasisKV rows run over one `OasisCache` per row, reset in between (`oasis_hf.CacheSlot`: its buffers,
 host store and captured graphs stay), and dense graphed keeps its K/V buffers and captured step
@@ -191,6 +194,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=16000)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--timed-calls", type=int, default=1,
+                        help="timed calls per row: the row is the call of median seconds, with the spread of all "
+                             "(tokens/s min and max)")
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--drafts", type=int, default=4,
                         help="draft tokens per round of speculative_generate (the most, with the adaptive schedule)")
@@ -337,9 +343,12 @@ def main() -> None:
             variants = variants[:1] + [v for v in variants[1:] if v[1] in args.kinds]
         batch_rows = []
         for label, kind, selector in variants:
-            with open_cache(kind, selector) if selector else contextlib.nullcontext() as cache:
-                batch_rows.append(run_row(label, lambda: generate(kind, cache), inputs, tokenizer, keys, n))  # noqa: B023
-            cache = None  # collected before the next row starts timing (run_row collects)
+            calls = []
+            for _ in range(args.timed_calls):
+                with open_cache(kind, selector) if selector else contextlib.nullcontext() as cache:
+                    calls.append(run_row(label, lambda: generate(kind, cache), inputs, tokenizer, keys, n))  # noqa: B023
+                cache = None  # collected before the next call starts timing (run_row collects)
+            batch_rows.append(median_call(calls))
             report(args, rows + finished(batch_rows, dtype), final=False)  # a cut-short run keeps its rows
         for slot in slots.values():
             slot.close()
@@ -347,6 +356,19 @@ def main() -> None:
         sessions.clear()
         rows += finished(batch_rows, dtype)
     report(args, rows, final=True)
+
+
+def median_call(calls: list[dict]) -> dict:
+    """One row of `calls` (the timed calls of a row): the first failed one, or the call of median seconds with the
+    number of calls and the slowest and fastest call's tokens/s beside it."""
+    failed = [call for call in calls if "error" in call]
+    if failed:
+        return failed[0]
+    row = dict(sorted(calls, key=lambda call: call["seconds"])[(len(calls) - 1) // 2])
+    if len(calls) > 1:
+        rates = [call["new tokens/s"] for call in calls]
+        row.update({"timed calls": len(calls), "new tokens/s (min, max)": f"{min(rates):.4g}, {max(rates):.4g}"})
+    return row
 
 
 def isolated_rows(args, batch: int, argv: list[str]) -> list[dict]:
@@ -395,7 +417,7 @@ def report(args, rows: list[dict], final: bool) -> None:
                "draft acceptance",
                "drafts per round", "draft ms/round", "verify ms/round", "accept + crop ms/round",
                "same tokens as greedy DynamicCache", "pass keys found"]
-    columns += [c for c in ("invalid", "error") if any(c in r for r in rows)]
+    columns += [c for c in ("timed calls", "new tokens/s (min, max)", "invalid", "error") if any(c in r for r in rows)]
     table = header + markdown_table(rows, columns)
     if final:
         finish(args, table, {"env": env, "rows": rows}, plot_e2e)

@@ -120,3 +120,15 @@ def test_finished_rows_record_their_process_and_dtype():
     rows = finished([base, other], torch.bfloat16)
     assert [r["pid"] for r in rows] == [os.getpid()] * 2 and {r["dtype"] for r in rows} == {"bfloat16"}
     assert rows[1]["vs greedy DynamicCache"] == 2.0 and "tokens" not in rows[1]
+
+
+def test_timed_calls_keep_the_median_call_and_the_spread():
+    from eval.bench_e2e import median_call
+
+    calls = [{"method": "m", "seconds": s, "new tokens/s": 100 / s} for s in (2.0, 1.0, 4.0)]
+    row = median_call(calls)
+    assert row["seconds"] == 2.0 and row["timed calls"] == 3
+    assert row["new tokens/s (min, max)"] == "25, 100"
+    assert median_call(calls[:1]) == calls[0]  # one call: the row as it was, no spread columns
+    failed = {"method": "m", "error": "RuntimeError: x"}
+    assert median_call([calls[0], failed]) is failed
