@@ -20,15 +20,18 @@ from oasis_hf.kernels.block_mass import block_mass
 from oasis_hf.kernels.copy_rows import copy_rows
 from oasis_hf.kernels.gather_blocks import gather_blocks
 from oasis_hf.kernels.plan_blocks import plan_blocks
+from oasis_hf.kernels.prefill_blocks import fill_pool, summarize_keys
 from oasis_hf.kernels.ref import (
     SUMMARY_LAYOUT,
     append_tokens_ref,
     block_mass_ref,
     copy_rows_ref,
+    fill_pool_ref,
     gather_blocks_ref,
     plan_blocks_ref,
     score_blocks_ref,
     sparse_attention_ref,
+    summarize_keys_ref,
     write_tokens_ref,
 )
 from oasis_hf.kernels.score_blocks import score_blocks
@@ -44,6 +47,8 @@ __all__ = [
     "block_mass_ref",
     "copy_rows",
     "copy_rows_ref",
+    "fill_pool",
+    "fill_pool_ref",
     "gather_blocks",
     "gather_blocks_ref",
     "plan_blocks",
@@ -52,6 +57,8 @@ __all__ = [
     "score_blocks_ref",
     "sparse_attention",
     "sparse_attention_ref",
+    "summarize_keys",
+    "summarize_keys_ref",
     "use_triton",
     "write_tokens",
     "write_tokens_ref",

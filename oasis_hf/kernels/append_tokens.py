@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from oasis_hf.kernels._tiles import store_block_summaries
 from oasis_hf.kernels.ref import CODE_BITS, CODES_PER_BYTE, SUMMARY_LAYOUT
 
 try:
@@ -41,10 +42,6 @@ if triton is not None:
         # float32 -> int32 with the same order under signed comparison (-0.0 folded into +0.0 first)
         bits = (x + 0.0).to(tl.int32, bitcast=True)
         return bits ^ ((bits >> 31) & 0x7FFFFFFF)
-
-    @triton.jit
-    def _store_summary(SUMMARY, row_base, stride_n, dims, mask, INDEX: tl.constexpr, values):
-        tl.store(SUMMARY + INDEX * stride_n + row_base + dims, values, mask=mask)
 
     @triton.jit(do_not_specialize=["num_slots", "stride_slot_row", "stride_block_row", "sink_blocks",
                                    "recent_blocks"])
@@ -131,37 +128,14 @@ if triton is not None:
             v = tl.load(v_src + tok[:, None] * stride_vt + dims[None, :], mask=m_new, other=0.0)
             tl.store(POOL_V + offs, v.to(POOL_V.dtype.element_ty), mask=m_new)
 
-            # Its summaries over the real, written tokens (float32, zero when empty).
+            # Its summaries over the real, written tokens (float32, zero when empty), and a quantized one's codes.
             ok = (pos < end) & (pos >= kv0)
-            kf = k.to(POOL_K.dtype.element_ty).to(tl.float32)
-            where = summary_base + block * HEAD_DIM
             live_dims = dim_ok & ((block + dims * 0) <= last)
-            if MEAN_AT >= 0:
-                count = tl.maximum(tl.sum(ok.to(tl.float32), axis=0), 1.0)
-                mean = tl.sum(tl.where(ok[:, None], kf, 0.0), axis=0) / count
-                _store_summary(SUMMARY, where, stride_sn, dims, live_dims, MEAN_AT,
-                               mean.to(SUMMARY.dtype.element_ty))
-            if LO_AT >= 0:
-                any_ok = tl.sum(ok.to(tl.int32), axis=0) > 0
-                lo = tl.where(any_ok, tl.min(tl.where(ok[:, None], kf, pos_inf), axis=0), 0.0)
-                hi = tl.where(any_ok, tl.max(tl.where(ok[:, None], kf, float("-inf")), axis=0), 0.0)
-                _store_summary(SUMMARY, where, stride_sn, dims, live_dims, LO_AT, lo.to(SUMMARY.dtype.element_ty))
-                _store_summary(SUMMARY, where, stride_sn, dims, live_dims, HI_AT, hi.to(SUMMARY.dtype.element_ty))
-                if QUANT:  # every key's codes against the bounds as stored (`quantize_blocks`)
-                    lo_s = lo.to(SUMMARY.dtype.element_ty).to(tl.float32)
-                    width = hi.to(SUMMARY.dtype.element_ty).to(tl.float32) - lo_s
-                    wide = width > 0
-                    levels = (1 << BITS) - 1
-                    scaled = tl.div_rn(kf - lo_s[None, :], tl.where(wide, width, 1.0)[None, :]) * levels
-                    code = tl.minimum(tl.maximum(tl.floor(scaled + 0.5), 0.0), levels * 1.0)
-                    code = tl.where(ok[:, None] & wide[None, :], code, 0.0).to(tl.int32)
-                    packed = tl.sum(tl.reshape(code << (BITS * (dims % PER_BYTE))[None, :],
-                                               (BLOCK_SIZE, BLOCK_D // PER_BYTE, PER_BYTE)), axis=2)
-                    cols = tl.arange(0, BLOCK_D // PER_BYTE)
-                    code_offs = (b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
-                                 + (block * BLOCK_SIZE + rows[:, None]) * (HEAD_DIM // PER_BYTE) + cols[None, :])
-                    code_ok = live_rows[:, None] & (cols < HEAD_DIM // PER_BYTE)[None, :]
-                    tl.store(CODES + code_offs, packed.to(tl.uint8), mask=code_ok)
+            store_block_summaries(
+                k.to(POOL_K.dtype.element_ty).to(tl.float32), ok, SUMMARY, CODES, summary_base + block * HEAD_DIM,
+                b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch, block, rows, dims, live_dims, live_rows,
+                stride_sn, HEAD_DIM, BLOCK_D, BLOCK_SIZE, MEAN_AT, LO_AT, HI_AT, QUANT, BITS, PER_BYTE,
+            )  # fmt: skip
 
     @triton.jit(do_not_specialize=["first_block", "seg_rows"])
     def _write_tokens_kernel(

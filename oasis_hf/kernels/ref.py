@@ -312,6 +312,56 @@ def summarize_blocks(kind: str, blocks_k: torch.Tensor, token_ok: torch.Tensor) 
     return torch.stack([parts[name] for name in SUMMARY_LAYOUT[kind]]).to(blocks_k.dtype)
 
 
+def summarize_keys_ref(
+    keys: torch.Tensor,
+    kv_start: torch.Tensor,
+    summaries: torch.Tensor,
+    *,
+    kind: str,
+    block_size: int,
+    first_block: int = 0,
+    codes: torch.Tensor | None = None,
+) -> None:
+    """Twin of `summarize_keys` (same arguments, see there): `summarize_blocks` (and `quantize_blocks`) of blocks
+    ``first_block .. ceil(L / BS) - 1`` of `keys` (B, H_kv, L, D), written into `summaries` (and `codes`)."""
+    batch, heads, length, head_dim = keys.shape
+    end_block = -(-length // block_size)
+    if end_block <= first_block:
+        return
+    part = keys[:, :, first_block * block_size :]
+    part = torch.nn.functional.pad(part, (0, 0, 0, (end_block - first_block) * block_size - part.shape[2]))
+    blocks_k = part.reshape(batch, heads, end_block - first_block, block_size, head_dim)
+    pos = torch.arange(first_block * block_size, end_block * block_size, device=keys.device)
+    token_ok = ((pos < length) & (pos >= kv_start.view(-1, 1))).view(batch, 1, -1, block_size)
+    summary = summarize_blocks(kind, blocks_k, token_ok).to(summaries.dtype)
+    summaries[:, :, :, first_block:end_block] = summary
+    if kind == "quantized":
+        if codes is None:
+            raise ValueError("summarize_keys: a 'quantized' summary needs its key codes (codes=...)")
+        codes[:, :, first_block:end_block] = quantize_blocks(blocks_k, token_ok, summary)
+
+
+def fill_pool_ref(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slot_block: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+) -> None:
+    """Twin of `fill_pool` (same arguments, see there): ``pool[b, h, s] = rows of block slot_block[b, h, s]`` (zero
+    past the last token) for every slot that holds a block."""
+    batch, heads, length, head_dim = keys.shape
+    num_slots, block_size = pool_k.shape[2], pool_k.shape[3]
+    resident = slot_block[..., :num_slots]
+    pos = resident.clamp(min=0)[..., None] * block_size + torch.arange(block_size, device=keys.device)
+    index = pos.clamp(max=length - 1).flatten(2)[..., None].expand(-1, -1, -1, head_dim)
+    inside = ((pos < length) & (resident >= 0)[..., None])[..., None]
+    keep = (resident >= 0)[..., None, None]
+    for src, pool in ((keys, pool_k), (values, pool_v)):
+        rows = torch.where(inside, src.gather(2, index).view(batch, heads, num_slots, block_size, head_dim), 0)
+        pool.copy_(torch.where(keep, rows.to(pool.dtype), pool))
+
+
 def _code_shifts(device) -> torch.Tensor:
     """Bit offset of each of a byte's `CODES_PER_BYTE` channels."""
     return CODE_BITS * torch.arange(CODES_PER_BYTE, device=device, dtype=torch.int32)
