@@ -321,6 +321,41 @@ def test_triton_backend_inside_generate(selector, summary):
                 generate(model, ids, mask, cache)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_prefill_fills_every_slot_from_the_prompt(backend):
+    """After a left-padded prefill over more blocks than the budget, every slot holds its block's K/V rows as the
+    host store has them (zero past the last token), the summaries equal those written afresh from the host keys,
+    and the statistics count one initial block per slot."""
+    from oasis_hf.cache.summaries import BlockSummaries
+    from oasis_hf.kernels import INTERPRET, TRITON_AVAILABLE
+
+    if backend == "triton" and not (TRITON_AVAILABLE and (INTERPRET or torch.cuda.is_available())):
+        pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1 (set by .ci/run)")
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() and not INTERPRET else "cpu"
+    model = tiny_model("llama", attn="oasis", device=dev)
+    ids, mask = left_padded([181, 140])
+    with oasis_cache(model, kernel_backend=backend, budget_tokens=96, prefetch=False) as cache, torch.inference_mode():
+        model(ids.to(dev), attention_mask=mask.to(dev), past_key_values=cache, use_cache=True)
+        slots = 0
+        for layer in cache.oasis_layers:
+            n, bs = layer.length, 16
+            keys, values = (x.cpu() for x in cache.host.read_range(layer.layer_idx, n, "cpu"))
+            padded_k, padded_v = (torch.nn.functional.pad(x, (0, 0, 0, bs)) for x in (keys, values))
+            resident = layer.table.slot_block[..., : layer.budget_blocks].cpu()
+            pool_k, pool_v = layer.pool_k.cpu(), layer.pool_v.cpu()
+            for b, h, slot in (resident >= 0).nonzero().tolist():
+                blk = int(resident[b, h, slot])
+                assert torch.equal(pool_k[b, h, slot], padded_k[b, h, blk * bs : blk * bs + bs])
+                assert torch.equal(pool_v[b, h, slot], padded_v[b, h, blk * bs : blk * bs + bs])
+            slots += int((resident >= 0).sum())
+            assert bool((resident >= 0).all())  # 12 blocks per sequence, 6 slots: every slot is filled
+            fresh = BlockSummaries("mean", 2, layer.num_kv_heads, -(-n // bs), layer.head_dim, keys.dtype, "cpu", bs)
+            fresh.write(keys, layer.kv_start.cpu(), 0, "torch")
+            torch.testing.assert_close(layer.summaries.data[:, :, :, : -(-n // bs)].cpu(), fresh.data,
+                                       atol=1e-6, rtol=1e-6)
+        assert cache.stats.summary()["initial_blocks"] == slots == len(cache.oasis_layers) * 2 * 2 * 6
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("selector", ["current-query", "lookahead"])
 @pytest.mark.parametrize("why", [dict(budget_tokens=128, dense_chunk_tokens=64), dict(budget_tokens=96)],

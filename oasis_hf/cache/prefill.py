@@ -1,7 +1,8 @@
 """A layer's prefill forwards: dense attention over the prompt, the block summaries, the first selection.
 
 - `prefill`: the first forward on an empty cache. Dense attention over the chunk, summaries of every block, the
-  initial selection copied into the pool straight from the chunk's K/V (no host read);
+  initial selection copied into the pool straight from the chunk's K/V (no host read), each one launch on CUDA
+  (`summarize_keys`, `plan_blocks`, `fill_pool`) reading the K/V where the model left them;
 - `prefill_chunk`: a long forward on a non-empty cache (chunked prefill): exact dense attention over the whole
   sequence, the earlier part read back from host memory, then the touched summaries and a new selection;
 - `padding_starts`: each sequence's first real position from the 2-D left-padding mask (one synchronisation).
@@ -13,10 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from oasis_hf.cache.scoring import block_mass, block_scores, plan, token_ok
-from oasis_hf.config import blocks_for
+from oasis_hf.cache.scoring import block_mass, block_scores, plan
 from oasis_hf.errors import UnsupportedError
-from oasis_hf.kernels import use_triton
+from oasis_hf.kernels import fill_pool, fill_pool_ref, use_triton
 from oasis_hf.kernels.dense import dense_attention
 
 if TYPE_CHECKING:
@@ -28,38 +28,25 @@ if TYPE_CHECKING:
 MASS_CHUNK_BYTES = 256 * 2**20
 
 
-def _blocks(layer: OasisLayer, keys: torch.Tensor, values: torch.Tensor, end: int):
-    """`keys`/`values` (B, H_kv, end, D) padded to whole blocks: (B, H_kv, NB, BS, D) each, and NB."""
-    bs = layer.config.block_size
-    num_blocks = blocks_for(end, bs)
-    pad = num_blocks * bs - end
-    blocks_k = torch.nn.functional.pad(keys, (0, 0, 0, pad)).view(
-        layer.batch_size, layer.num_kv_heads, num_blocks, bs, layer.head_dim
-    )
-    return blocks_k, torch.nn.functional.pad(values, (0, 0, 0, pad)).view_as(blocks_k), num_blocks
+def _fill_pool(layer: OasisLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Every resident slot of `layer` from `keys`/`values` (B, H_kv, L, D), positions ``0 .. L - 1``."""
+    fill = fill_pool if use_triton(keys, layer.config.kernel_backend) else fill_pool_ref
+    fill(keys, values, layer.table.slot_block, layer.pool_k, layer.pool_v)
 
 
 def prefill(layer: OasisLayer, query, key, value, attention_mask, scale: float, end: int) -> torch.Tensor:
     """The first forward of `layer` (positions ``0 .. end - 1``): (B, H_q, T, D) queries -> (B, T, H_q, D)."""
-    cfg = layer.config
     starts, pads = layer.cache.padding_starts(attention_mask, layer.batch_size, end, layer.device)
     if layer.kv_start is None:
         layer.kv_start = starts
     elif layer.kv_start is not starts:  # a reset layer: in place, where its captured graphs read it
         layer.kv_start.copy_(starts)
     out = dense_attention(query, key, value, attention_mask, scale, pad_lengths=pads)
-    blocks_k, blocks_v, num_blocks = _blocks(layer, key, value, end)
-    block_ids = torch.arange(num_blocks, device=layer.device)
-    layer.summaries.write(block_ids, blocks_k, token_ok(layer, block_ids, end))
-    blocks, slots, valid = plan(layer, prefill_scores(layer, query, key, scale, 0, end), max_fetch=None,
-                                counter=None)
-    # The pool is empty, so every chosen block is a miss: copy them from the chunk, not from host.
-    # `slots` is a permutation of the S slots, so scattering all S entries is safe; invalid ones stay unmapped.
-    index = blocks.clamp(0, num_blocks - 1)[..., None, None].expand(-1, -1, -1, cfg.block_size, layer.head_dim)
-    slot_index = slots[..., None, None].expand_as(index)
-    layer.pool_k.scatter_(2, slot_index, blocks_k.gather(2, index))
-    layer.pool_v.scatter_(2, slot_index, blocks_v.gather(2, index))
-    layer.cache.stats.record_prefill(layer.layer_idx, valid)
+    layer.summaries.write(key, layer.kv_start, 0, layer.config.kernel_backend)
+    plan(layer, prefill_scores(layer, query, key, scale, 0, end), max_fetch=None, counter="prefilled")
+    # The pool is empty, so every chosen block is a miss: copied from the chunk's K/V, not from host.
+    _fill_pool(layer, key, value)
+    layer.cache.stats.record_prefill(layer.layer_idx)
     return out
 
 
@@ -69,8 +56,6 @@ def prefill_chunk(layer: OasisLayer, query, key, value, attention_mask, scale: f
     whole sequence, the earlier part read back from host memory (one zero-copy gather on CUDA). GPU memory holds one
     layer's K/V at a time, not the model's. Then the summaries of the blocks it touched, and a new selection from its
     last query, with every resident slot refilled from the full K/V."""
-    cfg = layer.config
-    bs = cfg.block_size
     layer.jobs.await_job()
     if layer.writeback_event is not None:  # every earlier row has landed in host memory
         torch.cuda.current_stream(layer.device).wait_event(layer.writeback_event)
@@ -79,18 +64,12 @@ def prefill_chunk(layer: OasisLayer, query, key, value, attention_mask, scale: f
     full_k, full_v = torch.cat([past_k, key], dim=2), torch.cat([past_v, value], dim=2)
     del past_k, past_v
     out = dense_attention(query, full_k, full_v, attention_mask, scale)
-    blocks_k, blocks_v, num_blocks = _blocks(layer, full_k, full_v, end)
-    touched = torch.arange(start // bs, num_blocks, device=layer.device)
-    layer.summaries.write(touched, blocks_k[:, :, start // bs :], token_ok(layer, touched, end))
+    layer.summaries.write(full_k, layer.kv_start, start // layer.config.block_size, layer.config.kernel_backend)
     # The selection memory starts afresh, as after one whole prefill: a chunked prefill then selects the same
     # blocks (given a last chunk of at least `prefill_window_tokens` tokens).
     layer.score_memory.zero_()
     plan(layer, prefill_scores(layer, query, full_k, scale, start, end), max_fetch=None)
-    resident = layer.table.slot_block[..., : layer.budget_blocks]
-    index = resident.clamp(0, num_blocks - 1)[..., None, None].expand(-1, -1, -1, bs, layer.head_dim)
-    keep = (resident >= 0)[..., None, None]
-    layer.pool_k.copy_(torch.where(keep, blocks_k.gather(2, index), layer.pool_k))
-    layer.pool_v.copy_(torch.where(keep, blocks_v.gather(2, index), layer.pool_v))
+    _fill_pool(layer, full_k, full_v)
     return out
 
 
@@ -107,7 +86,6 @@ def prefill_scores(layer: OasisLayer, query, keys, scale: float, start: int, end
         return block_scores(layer, query[:, :, -1:], scale, last)
     q = query[:, :, -window:]
     q_pos = torch.arange(end - window, end, device=layer.device)
-    mass = torch.zeros(layer.batch_size, layer.num_kv_heads, layer.table.capacity_blocks, device=layer.device)
     heads = layer.num_kv_heads
     group = q.shape[1] // heads
     backend = layer.config.kernel_backend
@@ -119,12 +97,16 @@ def prefill_scores(layer: OasisLayer, query, keys, scale: float, start: int, end
         # on Qwen2.5-1.5B, a few calls at 32k on Llama-8B's shape, one KV head at a time only beyond that.
         pairs = max(1, MASS_CHUNK_BYTES // (4 * end * (4 * group * window + layer.head_dim)))
     sequences, heads_per = (max(1, pairs // heads), heads) if pairs >= heads else (1, pairs)
+    capacity = layer.table.capacity_blocks
+    if sequences >= layer.batch_size and heads_per >= heads:  # one call: its result feeds the scores as it is
+        mass = block_mass(q, keys, scale, q_pos, layer.kv_start, layer.config.block_size, capacity, backend)
+        return block_scores(layer, q, scale, last, num_tokens=1, raw=mass)
+    mass = torch.zeros(layer.batch_size, heads, capacity, device=layer.device)
     for b in range(0, layer.batch_size, sequences):
         for h in range(0, heads, heads_per):
             mass[b : b + sequences, h : h + heads_per] = block_mass(
                 q[b : b + sequences, h * group : (h + heads_per) * group], keys[b : b + sequences, h : h + heads_per],
-                scale, q_pos, layer.kv_start[b : b + sequences], layer.config.block_size, layer.table.capacity_blocks,
-                backend,
+                scale, q_pos, layer.kv_start[b : b + sequences], layer.config.block_size, capacity, backend,
             )
     return block_scores(layer, q, scale, last, num_tokens=1, raw=mass)
 

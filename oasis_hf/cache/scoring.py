@@ -61,13 +61,6 @@ def plan(layer: OasisLayer, scores: torch.Tensor, max_fetch: int | None, counter
     return layer.table.plan(scores, max_fetch, layer.config.kernel_backend, fetched)
 
 
-def token_ok(layer: OasisLayer, block_ids: torch.Tensor, end) -> torch.Tensor:
-    """(B, 1, n, BS) bool for blocks `block_ids` (n,): the token is real (not padding) and written (< end)."""
-    bs = layer.config.block_size
-    pos = (block_ids[:, None] * bs + layer.arange(bs)).view(1, 1, -1, bs)
-    return (pos < end) & (pos >= layer.kv_start.view(-1, 1, 1, 1))
-
-
 def block_mass(query: torch.Tensor, keys: torch.Tensor, scale: float, q_pos: torch.Tensor, kv_start: torch.Tensor,
                block_size: int, capacity_blocks: int, backend: str = "auto") -> torch.Tensor:
     """Exact causal softmax attention mass per block (`oasis_hf.kernels.block_mass`, or its twin by `backend`);

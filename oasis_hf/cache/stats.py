@@ -56,9 +56,9 @@ class OasisStats:
         index = COUNTERS.index(name)
         return self.counters(device)[index : index + 1]
 
-    def record_prefill(self, layer_idx: int, valid: torch.Tensor) -> None:
+    def record_prefill(self, layer_idx: int) -> None:
+        """One layer's prefill selection (its blocks were added to the ``prefilled`` counter by its plan)."""
         self.prefill_layers += 1
-        self.counter(valid.device, "prefilled").add_(valid.sum())
 
     def record_fetched(self, valid: torch.Tensor) -> None:
         """Add the blocks fetched this step (in place; safe inside graph capture once `counters` exists)."""

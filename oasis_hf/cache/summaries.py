@@ -19,15 +19,17 @@ prompts (``eval.rank_summaries``: Qwen2.5-Coder-0.5B at 4k, 1.5B at 8k, blocks o
 exact attention's top blocks where ``mean+minmax`` picked 0.71. Its codes take ``BS * D / 4`` bytes per block (2/16
 of the keys, 3/16 with the bounds at blocks of 32), and scoring reads all of them twice per job.
 
-Scoring reads `BlockSummaries.data` directly (`oasis_hf.kernels.score_blocks`); the decode step's new blocks are
-summarised inside `oasis_hf.kernels.append_tokens`.
+Scoring reads `BlockSummaries.data` directly (`oasis_hf.kernels.score_blocks`); a prompt's blocks are summarised by
+`oasis_hf.kernels.summarize_keys` (`BlockSummaries.write`), a decode step's new blocks inside
+`oasis_hf.kernels.append_tokens`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from oasis_hf.kernels.ref import CODES_PER_BYTE, SUMMARY_LAYOUT, quantize_blocks, summarize_blocks
+from oasis_hf.kernels import summarize_keys, summarize_keys_ref, use_triton
+from oasis_hf.kernels.ref import CODES_PER_BYTE, SUMMARY_LAYOUT
 
 
 class BlockSummaries:
@@ -41,6 +43,7 @@ class BlockSummaries:
         if kind not in SUMMARY_LAYOUT:
             raise ValueError(f"unknown block summary {kind!r}; choose one of {list(SUMMARY_LAYOUT)}")
         self.kind = kind
+        self.block_size = block_size
         count = len(SUMMARY_LAYOUT[kind])
         self.data = torch.zeros(count, batch_size, num_kv_heads, capacity_blocks, head_dim, dtype=dtype, device=device)
         self.codes = None
@@ -76,14 +79,10 @@ class BlockSummaries:
         grown[:, :, :, : self.capacity_blocks] = self.data
         self.data = grown
 
-    def write(self, block_ids: torch.Tensor, blocks_k: torch.Tensor, token_ok: torch.Tensor) -> None:
-        """Summarise ``n`` blocks.
-
-        block_ids : (n,) long, logical block of each entry (repeats allowed when they carry the same keys);
-        blocks_k : (B, H_kv, n, BS, D) keys; token_ok : (B, 1, n, BS) bool, False for padding / unwritten tokens.
-        Fixed shapes and no host synchronisation.
-        """
-        summaries = summarize_blocks(self.kind, blocks_k, token_ok).to(self.data.dtype)
-        self.data.index_copy_(3, block_ids, summaries)
-        if self.codes is not None:
-            self.codes.index_copy_(2, block_ids, quantize_blocks(blocks_k, token_ok, summaries))
+    def write(self, keys: torch.Tensor, kv_start: torch.Tensor, first_block: int = 0, backend: str = "auto") -> None:
+        """Summarise blocks ``first_block .. ceil(L / BS) - 1`` of `keys` (B, H_kv, L, D), every key at positions
+        ``0 .. L - 1``; `kv_start` (B,) each sequence's first real position. One launch (`summarize_keys`, or its
+        twin by `backend`); fixed shapes, no host synchronisation."""
+        summarize = summarize_keys if use_triton(keys, backend) else summarize_keys_ref
+        summarize(keys, kv_start, self.data, kind=self.kind, block_size=self.block_size, first_block=first_block,
+                  codes=self.codes)

@@ -641,7 +641,7 @@ def test_mean_plus_minmax_lets_each_summary_propose(backend):
     top2 = {}
     for kind in KINDS:
         summaries = BlockSummaries(kind, 1, 1, 7, 16, torch.float32, dev, 4)
-        summaries.write(torch.arange(7, device=dev), keys.to(dev), torch.ones(1, 1, 7, 4, dtype=torch.bool, device=dev))
+        summaries.write(keys.view(1, 1, 28, 16).to(dev), torch.zeros(1, dtype=torch.long, device=dev), 0, backend)
         scores = fn(query, summaries.data, None, None, torch.zeros(1, dtype=torch.long, device=dev),
                     torch.tensor(27, device=dev), 1.0, kind=kind, source="summaries", num_tokens=1, block_size=4,
                     sink_blocks=0, recent_blocks=1)[0, 0]
@@ -652,22 +652,24 @@ def test_mean_plus_minmax_lets_each_summary_propose(backend):
 
 
 def test_block_summaries_store_what_each_kind_names():
-    """``mean+minmax`` stores lo, hi and the mean key (3 tensors); empty blocks have zero summaries."""
+    """``mean+minmax`` stores lo, hi and the mean key (3 tensors) of the real, written tokens of each block (left
+    padding and the partial last block's tail excluded); a block of padding only has zero summaries."""
     from oasis_hf.cache.summaries import BlockSummaries
 
     gen = torch.Generator().manual_seed(3)
-    keys = torch.randn(2, 3, 9, 4, 8, generator=gen)
-    token_ok = torch.rand(2, 1, 9, 4, generator=gen) > 0.3
-    token_ok[:, :, 0] = False
+    keys = torch.randn(2, 3, 33, 8, generator=gen)  # 9 blocks of 4, the last one holding one token
+    kv_start = torch.tensor([5, 0])
     both = BlockSummaries("mean+minmax", 2, 3, 9, 8, torch.float32, "cpu", 4)
-    both.write(torch.arange(9), keys, token_ok)
+    both.write(keys, kv_start)
     assert both.data.shape[0] == 3 and both.nbytes == 3 * 2 * 3 * 9 * 8 * 4
     low, high, mean = both.data
-    ok = token_ok[..., None]
-    torch.testing.assert_close(mean, torch.where(ok, keys, 0.0).sum(3) / ok.sum(3).clamp(min=1))
-    torch.testing.assert_close(low, torch.where(ok.any(3), torch.where(ok, keys, float("inf")).amin(3), 0.0))
-    torch.testing.assert_close(high, torch.where(ok.any(3), torch.where(ok, keys, float("-inf")).amax(3), 0.0))
-    assert not bool(mean[:, :, 0].any()) and not bool(low[:, :, 0].any())
+    pos = torch.arange(36).view(1, 1, 9, 4)
+    ok = ((pos < 33) & (pos >= kv_start.view(-1, 1, 1, 1)))[..., None]
+    blocks = torch.nn.functional.pad(keys, (0, 0, 0, 3)).view(2, 3, 9, 4, 8)
+    torch.testing.assert_close(mean, torch.where(ok, blocks, 0.0).sum(3) / ok.sum(3).clamp(min=1))
+    torch.testing.assert_close(low, torch.where(ok.any(3), torch.where(ok, blocks, float("inf")).amin(3), 0.0))
+    torch.testing.assert_close(high, torch.where(ok.any(3), torch.where(ok, blocks, float("-inf")).amax(3), 0.0))
+    assert not bool(mean[0, :, 0].any()) and not bool(low[0, :, 0].any()) and bool(mean[1, :, 0].all())
 
 
 def test_quantized_block_summaries_keep_codes_and_count_their_bytes():
@@ -680,7 +682,7 @@ def test_quantized_block_summaries_keep_codes_and_count_their_bytes():
     keys = torch.randn(2, 3, 5, 16, 8, generator=gen).to(torch.bfloat16)
     token_ok = torch.ones(2, 1, 5, 16, dtype=torch.bool)
     summaries = BlockSummaries("quantized", 2, 3, 5, 8, torch.bfloat16, "cpu", 16)
-    summaries.write(torch.arange(5), keys, token_ok)
+    summaries.write(keys.view(2, 3, 80, 8), torch.zeros(2, dtype=torch.long))
     bounds = summarize_blocks("quantized", keys, token_ok)
     assert torch.equal(summaries.data, bounds) and torch.equal(summaries.codes, quantize_blocks(keys, token_ok, bounds))
     per_block = summary_key_vectors("quantized", 16) * 8 * 2  # key vectors x D x bf16 bytes
