@@ -324,6 +324,8 @@ def summarize_keys_ref(
 ) -> None:
     """Twin of `summarize_keys` (same arguments, see there): `summarize_blocks` (and `quantize_blocks`) of blocks
     ``first_block .. ceil(L / BS) - 1`` of `keys` (B, H_kv, L, D), written into `summaries` (and `codes`)."""
+    if kind == "quantized" and codes is None:  # before anything is written
+        raise ValueError("summarize_keys: a 'quantized' summary needs its key codes (codes=...)")
     batch, heads, length, head_dim = keys.shape
     end_block = -(-length // block_size)
     if end_block <= first_block:
@@ -336,8 +338,6 @@ def summarize_keys_ref(
     summary = summarize_blocks(kind, blocks_k, token_ok).to(summaries.dtype)
     summaries[:, :, :, first_block:end_block] = summary
     if kind == "quantized":
-        if codes is None:
-            raise ValueError("summarize_keys: a 'quantized' summary needs its key codes (codes=...)")
         codes[:, :, first_block:end_block] = quantize_blocks(blocks_k, token_ok, summary)
 
 

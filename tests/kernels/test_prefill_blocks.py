@@ -163,3 +163,34 @@ def test_fill_pool_refuses_mismatched_shapes():
         fill_pool(keys, keys, torch.full((1, 2, 2), -1), pool, pool.clone())  # fewer table entries than slots
     with pytest.raises(ValueError, match="contiguous"):
         fill_pool(keys, keys, torch.full((1, 2, 4), -1), pool.transpose(3, 4), pool.transpose(3, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_summarize_keys_gpu_real_shapes(kind):
+    """Prefill shapes on the GPU, bf16: Llama-8B's heads at 4,100 tokens in blocks of 32 (batch 2, a partial last
+    block), Qwen2.5-1.5B's at 16,000 in blocks of 16, and a chunk whose first touched block is 250."""
+    if not torch.cuda.is_available() or INTERPRET:
+        pytest.skip("needs a CUDA GPU without TRITON_INTERPRET")
+    for case in [(2, 8, 4100, 128, 32, 0), (1, 2, 16000, 128, 16, 0), (2, 2, 8200, 128, 32, 250)]:
+        bs, first = case[4], case[5]
+        keys, kv_start = _keys(case, torch.bfloat16, 11)
+        data_k, codes_k = _summaries(case, kind, torch.bfloat16, 11)
+        data_r, codes_r = data_k.clone(), None if codes_k is None else codes_k.clone()
+        summarize_keys(keys, kv_start, data_k, kind=kind, block_size=bs, first_block=first, codes=codes_k)
+        summarize_keys_ref(keys, kv_start, data_r, kind=kind, block_size=bs, first_block=first, codes=codes_r)
+        torch.testing.assert_close(data_k, data_r, atol=1e-2, rtol=1e-2)
+        if codes_k is not None:  # both quantize against the bounds as stored (exact minima and maxima)
+            assert torch.equal(codes_k, codes_r), case
+
+
+@pytest.mark.gpu
+def test_fill_pool_gpu_real_shapes():
+    """Llama-8B's heads, batch 2 at 4,100 tokens, 64 slots of 32 (the default budget), bf16: bit-identical."""
+    if not torch.cuda.is_available() or INTERPRET:
+        pytest.skip("needs a CUDA GPU without TRITON_INTERPRET")
+    args_k = _pool_case((2, 8, 4100, 128, 32, 64), torch.bfloat16, 5)
+    args_r = [x.clone() for x in args_k]
+    fill_pool(*args_k)
+    fill_pool_ref(*args_r)
+    assert torch.equal(args_k[3], args_r[3]) and torch.equal(args_k[4], args_r[4])
