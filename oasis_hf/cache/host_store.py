@@ -81,12 +81,26 @@ class BlockStore(Protocol):
     def close(self) -> None: ...  # the cache is closed: the request is finished
 
 
+class _LayerViews(dict):
+    """layer_idx -> that layer's (B, H_kv, NB_seg, BS, D) tensor over a segment's buffer, made on first use: a
+    prefill's first layer would otherwise make every layer's views (about 16 us of host time each) while the GPU,
+    not yet given any work of the forward, waits."""
+
+    def __init__(self, buffer: PinnedBuffer, offsets: dict[int, int], shape: tuple[int, ...], dtype: torch.dtype):
+        super().__init__()
+        self.buffer, self.offsets, self.shape, self.dtype = buffer, offsets, shape, dtype
+
+    def __missing__(self, layer: int) -> torch.Tensor:
+        view = self[layer] = self.buffer.view(self.offsets[layer], self.shape, self.dtype)  # KeyError: not managed
+        return view
+
+
 @dataclass
 class _Segment:
     start_block: int
     num_blocks: int
-    keys: dict[int, torch.Tensor]  # layer_idx -> (B, H_kv, NB_seg, BS, D), views of `buffer`
-    values: dict[int, torch.Tensor]
+    keys: _LayerViews  # layer_idx -> (B, H_kv, NB_seg, BS, D), views of `buffer`
+    values: _LayerViews
     buffer: PinnedBuffer
     span_bytes: int  # one layer's K and V: layer i holds bytes i * span_bytes .. (i + 1) * span_bytes - 1
     order: dict[int, int]  # layer_idx -> its position in the buffer
@@ -143,7 +157,7 @@ class HostKVStore:
     # ----------------------------------------------------------------------------------------------- allocation
     def bytes_per_block(self) -> int:
         """Host bytes of one block (K and V) of one layer, for the whole batch."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         return 2 * self.batch_size * self.num_kv_heads * self.block_size * self.head_dim * elem
 
     @property
@@ -203,9 +217,10 @@ class HostKVStore:
                                                                     background=True)
         except (RuntimeError, MemoryError) as exc:  # malloc or cudaHostRegister refused: nothing is kept
             raise refused() from exc
-        keys = {layer: buffer.view(2 * i * per_tensor, shape, self.dtype) for i, layer in enumerate(self.layer_ids)}
-        values = {layer: buffer.view((2 * i + 1) * per_tensor, shape, self.dtype)
-                  for i, layer in enumerate(self.layer_ids)}
+        keys = _LayerViews(buffer, {layer: 2 * i * per_tensor for i, layer in enumerate(self.layer_ids)}, shape,
+                           self.dtype)
+        values = _LayerViews(buffer, {layer: (2 * i + 1) * per_tensor for i, layer in enumerate(self.layer_ids)},
+                             shape, self.dtype)
         order = {layer: i for i, layer in enumerate(self.layer_ids)}
         self.segments.append(_Segment(self.capacity_blocks, num_blocks, keys, values, buffer, 2 * per_tensor, order))
         self.capacity_blocks += num_blocks

@@ -92,7 +92,7 @@ class PinnedBuffer:
 
     def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of `shape` and `dtype` over bytes ``offset ..`` of the buffer (no copy)."""
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         return self.data[offset : offset + nbytes].view(dtype).view(shape)
 
     def release(self) -> None:
