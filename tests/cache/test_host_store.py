@@ -57,6 +57,24 @@ def test_first_segment_is_a_size_class_so_similar_requests_share_a_pool_buffer()
     assert tight.capacity_blocks == 1001
 
 
+def test_segment_views_are_made_per_layer_on_first_use():
+    """Growing the store makes no per-layer tensors (a prefill's first layer would wait for all of them); a layer's
+    K/V views appear when it is first written, over that layer's own bytes, and an unmanaged layer is refused."""
+    store = HostKVStore([0, 3, 5], 2, 2, 8, 16, torch.float32, pin=False, headroom_bytes=0, growth_tokens=64)
+    store.ensure_capacity(40)
+    seg = store.segments[0]
+    assert dict(seg.keys) == {} and dict(seg.values) == {}
+    rows = torch.randn(2, 2, 40, 8)
+    store.write(3, rows, -rows, 0)
+    assert sorted(seg.keys) == sorted(seg.values) == [3]
+    assert torch.equal(store.read_keys(3, 40), rows)
+    per_tensor = seg.keys[3].numel() * 4
+    assert seg.keys[3].data_ptr() - seg.buffer.data.data_ptr() == 2 * per_tensor  # layer 3 is the second managed
+    assert seg.values[0].data_ptr() - seg.buffer.data.data_ptr() == per_tensor
+    with pytest.raises(KeyError):
+        seg.keys[1]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("contiguous", [False, True])
 def test_long_and_short_writes_land_every_row_across_segments(contiguous, monkeypatch):
