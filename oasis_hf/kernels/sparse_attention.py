@@ -9,7 +9,10 @@ Algorithm (split-K flash decoding over a block table):
   (``>= kv_start[b]``) and causality (key position <= query position, queries sitting at the end of the sequence);
 - online softmax in float32; each split writes an unnormalised partial output plus its running max and sum, and a
   second launch merges the splits (log-sum-exp weights) straight into the ``(B, T, H_q, D)`` output (in PyTorch
-  that epilogue was ten small kernels per layer-step).
+  that epilogue was ten small kernels per layer-step). Merging in the same launch instead (the last split of a
+  (sequence, KV head) to arrive, counted atomically, merges them all) measured slower on an H100: 10.6 against
+  9.4 us per launch at batch 1 with Qwen2.5-1.5B's heads and 64 slots, 12.1 against 10.9 at batch 8; the count
+  alone costs about 1 us and one program's merge about 4, what the second launch costs.
 
 Bytes: each launch reads ``B * H_kv * S * BS * D * 2`` elements of K and V once (plus the queries), so at batch 32
 and a 2048-token budget it is bound by HBM bandwidth, not by arithmetic.
