@@ -82,16 +82,19 @@ class BlockStore(Protocol):
 
 
 class _LayerViews(dict):
-    """layer_idx -> that layer's (B, H_kv, NB_seg, BS, D) tensor over a segment's buffer, made on first use: a
-    prefill's first layer would otherwise make every layer's views (about 16 us of host time each) while the GPU,
-    not yet given any work of the forward, waits."""
+    """layer_idx -> that layer's (B, H_kv, NB_seg, BS, D) tensor over a segment's buffer, at byte
+    ``order[layer] * span_bytes + start``, made on first use: a prefill's first layer would otherwise make every
+    layer's views (about 16 us of host time each) while the GPU, not yet given any work of the forward, waits."""
 
-    def __init__(self, buffer: PinnedBuffer, offsets: dict[int, int], shape: tuple[int, ...], dtype: torch.dtype):
+    def __init__(self, buffer: PinnedBuffer, order: dict[int, int], span_bytes: int, start: int,
+                 shape: tuple[int, ...], dtype: torch.dtype) -> None:
         super().__init__()
-        self.buffer, self.offsets, self.shape, self.dtype = buffer, offsets, shape, dtype
+        self.buffer, self.order, self.span_bytes, self.start = buffer, order, span_bytes, start
+        self.shape, self.dtype = shape, dtype
 
     def __missing__(self, layer: int) -> torch.Tensor:
-        view = self[layer] = self.buffer.view(self.offsets[layer], self.shape, self.dtype)  # KeyError: not managed
+        offset = self.order[layer] * self.span_bytes + self.start  # KeyError: a layer the store does not manage
+        view = self[layer] = self.buffer.view(offset, self.shape, self.dtype)
         return view
 
 
@@ -217,11 +220,9 @@ class HostKVStore:
                                                                     background=True)
         except (RuntimeError, MemoryError) as exc:  # malloc or cudaHostRegister refused: nothing is kept
             raise refused() from exc
-        keys = _LayerViews(buffer, {layer: 2 * i * per_tensor for i, layer in enumerate(self.layer_ids)}, shape,
-                           self.dtype)
-        values = _LayerViews(buffer, {layer: (2 * i + 1) * per_tensor for i, layer in enumerate(self.layer_ids)},
-                             shape, self.dtype)
         order = {layer: i for i, layer in enumerate(self.layer_ids)}
+        keys = _LayerViews(buffer, order, 2 * per_tensor, 0, shape, self.dtype)
+        values = _LayerViews(buffer, order, 2 * per_tensor, per_tensor, shape, self.dtype)
         self.segments.append(_Segment(self.capacity_blocks, num_blocks, keys, values, buffer, 2 * per_tensor, order))
         self.capacity_blocks += num_blocks
         logger.debug("host store: +%d blocks (%.1f MiB, pinned=%s)", num_blocks, nbytes / 2**20, self.pin)
