@@ -4,13 +4,15 @@
 marked with a reference to this layer; the ``"oasis"`` attention function then calls `attend`, which dispatches:
 
 - **prefill** (the first forward on an empty cache, or a long chunk on a non-empty one): `oasis_hf.cache.prefill`;
-- **decode / verification** (``T`` new tokens on a non-empty cache): `OasisLayer.decode_step`, one `append_tokens`
-  launch (new blocks get slots, evicting the least important unpinned block; the new tokens go into the pool; the
-  touched summaries are recomputed), then for a synchronous selector (or, with `OasisConfig.sync_fetch_blocks`, as a
-  capped correction of an asynchronous one) the scores (`scoring.block_scores`), the planned delta (`scoring.plan`)
-  and the fetch of the misses from host, and the sparse attention over the resident blocks. ``static`` selects
-  nothing in the step: `append_tokens` evicts the oldest unpinned block for a new one, which keeps its set (the
-  sinks and the latest blocks) as it is; a crop refetches what the dropped blocks had evicted.
+- **decode / verification** (``T`` new tokens on a non-empty cache): `OasisLayer.decode_step`. The append (new
+  blocks get slots, evicting the least important unpinned block; the new tokens go into the pool; the touched
+  summaries are recomputed) and the sparse attention over the resident blocks plus the new tokens. Where the step
+  selects (a synchronous selector, or with `OasisConfig.sync_fetch_blocks` a capped correction of an asynchronous
+  one) the append is its own `append_tokens` launch, followed by the scores (`scoring.block_scores`), the planned
+  delta (`scoring.plan`) and the fetch of the misses from host; otherwise it runs in the attention's merge launch,
+  after the attention, which read the new tokens from the step's K/V (a block it evicts was still attended in this
+  step). ``static`` selects nothing in the step: the append evicts the oldest unpinned block for a new one, which
+  keeps its set (the sinks and the latest blocks) as it is; a crop refetches what the dropped blocks had evicted.
   On CUDA the step is a captured graph per ``T`` (`oasis_hf.cache.step_graphs`); an asynchronous selector's job
   (`oasis_hf.cache.selection_jobs`) runs score, plan and fetch after the step, for the next one;
 - **whole-step** (inside `oasis_hf.DecodeGraph`'s forward): the same device work reading the step's position from
@@ -39,6 +41,7 @@ from oasis_hf.cache.step_graphs import GRAPH_MAX_TOKENS, StepGraphs, graphable
 from oasis_hf.cache.summaries import BlockSummaries
 from oasis_hf.errors import DeviceMemoryError, OasisError, UnsupportedError
 from oasis_hf.kernels import append_tokens, append_tokens_ref, sparse_attention, sparse_attention_ref, use_triton
+from oasis_hf.kernels.ref import AppendState
 
 if TYPE_CHECKING:
     from oasis_hf.cache.oasis_cache import OasisCache
@@ -425,10 +428,10 @@ class OasisLayer(CacheLayerMixin):
 
         Fixed shapes, no host synchronisation and no Python branch on data: every position-dependent quantity is
         derived from `start` on the device, so this function can be captured once in a CUDA graph and replayed at
-        every later step of the same ``T``. On CUDA it is a handful of launches: the host write-back (forked),
-        `append_tokens`, for a synchronous selector but ``static`` (or an asynchronous one with
-        `OasisConfig.sync_fetch_blocks`) `score_blocks` + `plan_blocks` + `gather_blocks`, and the sparse attention
-        with its split merge.
+        every later step of the same ``T``. On CUDA it is a handful of launches: the host write-back (forked), and
+        for a synchronous selector but ``static`` (or an asynchronous one with `OasisConfig.sync_fetch_blocks`)
+        `append_tokens` + `score_blocks` + `plan_blocks` + `gather_blocks`; then the sparse attention and its split
+        merge, which appends the new tokens when no selection ran before it.
         """
         cfg = self.config
         if write_back:
@@ -442,17 +445,20 @@ class OasisLayer(CacheLayerMixin):
                 self.cache.host.write_at(self.layer_idx, key, value, start)
         kernels = use_triton(query, cfg.kernel_backend)
         latest = self.keeps_latest
-        (append_tokens if kernels else append_tokens_ref)(
-            key, value, start, self.pool_k, self.pool_v, self.table.slot_block, self.table.slot_score,
-            self.table.block_slot, self.summaries.data, self.kv_start, kind=self.summaries.kind,
-            sink_blocks=cfg.sink_blocks, recent_blocks=cfg.recent_blocks, codes=self.summaries.codes,
-            evict_oldest=latest,
-        )  # fmt: skip
-        # Selection, delta, fetch (synchronous selectors but `static`, whose set append_tokens keeps; asynchronous
-        # ones did it after the previous step, and with `sync_fetch_blocks` correct it here with the step's own
-        # queries, a few blocks at most).
+        append = AppendState(self.table.slot_score, self.table.block_slot, self.summaries.data, self.summaries.kind,
+                             cfg.sink_blocks, cfg.recent_blocks, self.summaries.codes, evict_oldest=latest)
+        # Selection, delta, fetch in the step: synchronous selectors but `static` (whose set the append keeps), and
+        # asynchronous ones with `sync_fetch_blocks` (they correct the previous step's job with this step's queries,
+        # a few blocks at most). Those score the new tokens' blocks, so the append comes first; otherwise the
+        # attention reads the new tokens from `key` / `value` and the append runs in its merge launch.
         asynchronous = self.cache.selector.asynchronous
-        if (not asynchronous and not latest) or (asynchronous and cfg.sync_fetch_blocks):
+        select = (not asynchronous and not latest) or (asynchronous and cfg.sync_fetch_blocks)
+        if select:
+            (append_tokens if kernels else append_tokens_ref)(
+                key, value, start, self.pool_k, self.pool_v, self.table.slot_block, append.slot_score,
+                append.block_slot, append.summaries, self.kv_start, kind=append.kind, sink_blocks=append.sink_blocks,
+                recent_blocks=append.recent_blocks, codes=append.codes, evict_oldest=latest,
+            )  # fmt: skip
             memory = "update" if not asynchronous else "read" if cfg.sync_fetch_memory else "off"
             scores = scoring.block_scores(self, query, scale, start, memory=memory)
             cap = cfg.sync_fetch_blocks if asynchronous else cfg.max_fetch_blocks
@@ -461,7 +467,8 @@ class OasisLayer(CacheLayerMixin):
         if end is None:
             end = start + key.shape[2]
         attend = sparse_attention if kernels else sparse_attention_ref
-        out = attend(query, self.pool_k, self.pool_v, self.table.slot_block, end, self.kv_start, scale)
+        out = attend(query, self.pool_k, self.pool_v, self.table.slot_block, end, self.kv_start, scale, new_key=key,
+                     new_value=value, append=None if select else append)
         if write_back:
             compute.wait_stream(side)  # join: later steps (and their fetches) are ordered after the write-back
         return out

@@ -1,7 +1,8 @@
 """The new tokens of a decode step in one launch each: into the pool with their bookkeeping, and to host memory.
 
-A decode / verification forward brings ``T`` new tokens per (sequence, KV head). `append_tokens` does everything
-the step needs before attention, one program per (sequence, KV head):
+A decode / verification forward brings ``T`` new tokens per (sequence, KV head). `append_tokens` does the pool's
+bookkeeping for them, one program per (sequence, KV head) (`append_program`, which `sparse_attention` also runs in
+the launch that merges its splits, after the attention has read the pool):
 
 1. slot allocation: the blocks the tokens touch that are not resident yet (a new block starts every ``BS`` tokens)
    take the cheapest slots (empty first, then the least important unpinned resident; sinks, the recent window and
@@ -26,13 +27,17 @@ from __future__ import annotations
 import torch
 
 from oasis_hf.kernels._tiles import store_block_summaries
-from oasis_hf.kernels.ref import CODE_BITS, CODES_PER_BYTE, SUMMARY_LAYOUT
+from oasis_hf.kernels.ref import CODE_BITS, CODES_PER_BYTE, SUMMARY_LAYOUT, AppendState
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None
+    append_program = None  # importable without Triton; only the Triton kernels use it
+
+#: The runtime integers of `append_program` left unspecialised (a kernel that calls it lists them too).
+APPEND_DYNAMIC = ["num_slots", "stride_slot_row", "stride_block_row", "sink_blocks", "recent_blocks"]
 
 
 if triton is not None:
@@ -43,10 +48,9 @@ if triton is not None:
         bits = (x + 0.0).to(tl.int32, bitcast=True)
         return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
-    @triton.jit(do_not_specialize=["num_slots", "stride_slot_row", "stride_block_row", "sink_blocks",
-                                   "recent_blocks"])
-    def _append_tokens_kernel(
-        K, V, START, POOL_K, POOL_V, SLOT_BLOCK, SLOT_SCORE, BLOCK_SLOT, SUMMARY, KV_START, CODES,
+    @triton.jit
+    def append_program(
+        bh, start, K, V, POOL_K, POOL_V, SLOT_BLOCK, SLOT_SCORE, BLOCK_SLOT, SUMMARY, KV_START, CODES,
         stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
         stride_pb, stride_ph, stride_ps,
         stride_sn, stride_sb, stride_sh, stride_cb, stride_ch,
@@ -56,12 +60,12 @@ if triton is not None:
         MEAN_AT: tl.constexpr, LO_AT: tl.constexpr, HI_AT: tl.constexpr, QUANT: tl.constexpr,
         BITS: tl.constexpr, PER_BYTE: tl.constexpr, EVICT_OLDEST: tl.constexpr,
     ):  # fmt: skip
-        bh = tl.program_id(0)
+        """The append of (sequence, KV head) `bh`'s new tokens at positions ``start ..`` (an int64 scalar): one
+        program's work of `append_tokens`, also run by `sparse_attention`'s merge launch."""
         b = bh // H_KV
         h = bh % H_KV
         row = bh.to(tl.int64)
         pos_inf = float("inf")
-        start = tl.load(START).to(tl.int64)
         end = start + NUM_TOKENS
         first = start // BLOCK_SIZE
         last = (end - 1) // BLOCK_SIZE
@@ -137,6 +141,27 @@ if triton is not None:
                 stride_sn, HEAD_DIM, BLOCK_D, BLOCK_SIZE, MEAN_AT, LO_AT, HI_AT, QUANT, BITS, PER_BYTE,
             )  # fmt: skip
 
+    @triton.jit(do_not_specialize=APPEND_DYNAMIC)
+    def _append_tokens_kernel(
+        K, V, START, POOL_K, POOL_V, SLOT_BLOCK, SLOT_SCORE, BLOCK_SLOT, SUMMARY, KV_START, CODES,
+        stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+        stride_pb, stride_ph, stride_ps,
+        stride_sn, stride_sb, stride_sh, stride_cb, stride_ch,
+        num_slots, stride_slot_row, stride_block_row, sink_blocks, recent_blocks,
+        H_KV: tl.constexpr, NUM_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, SP: tl.constexpr, WIDTH: tl.constexpr,
+        MEAN_AT: tl.constexpr, LO_AT: tl.constexpr, HI_AT: tl.constexpr, QUANT: tl.constexpr,
+        BITS: tl.constexpr, PER_BYTE: tl.constexpr, EVICT_OLDEST: tl.constexpr,
+    ):  # fmt: skip
+        append_program(
+            tl.program_id(0), tl.load(START).to(tl.int64), K, V, POOL_K, POOL_V, SLOT_BLOCK, SLOT_SCORE, BLOCK_SLOT,
+            SUMMARY, KV_START, CODES, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+            stride_pb, stride_ph, stride_ps, stride_sn, stride_sb, stride_sh, stride_cb, stride_ch,
+            num_slots, stride_slot_row, stride_block_row, sink_blocks, recent_blocks,
+            H_KV, NUM_TOKENS, HEAD_DIM, BLOCK_D, BLOCK_SIZE, SP, WIDTH, MEAN_AT, LO_AT, HI_AT, QUANT, BITS, PER_BYTE,
+            EVICT_OLDEST,
+        )  # fmt: skip
+
     @triton.jit(do_not_specialize=["first_block", "seg_rows"])
     def _write_tokens_kernel(
         K, V, START, DST_K, DST_V,
@@ -204,6 +229,15 @@ def append_tokens(
     Same effect as `append_tokens_ref` (table entries identical; summaries up to float32 summation order).
     Enqueued on the current stream; no host synchronisation, capturable.
     """
+    args, meta = append_launch(key, value, pool_k, pool_v, slot_block, AppendState(
+        slot_score, block_slot, summaries, kind, sink_blocks, recent_blocks, codes, evict_oldest), kv_start)
+    _append_tokens_kernel[(key.shape[0] * key.shape[1],)](args[0], args[1], start, *args[2:], **meta, num_warps=4)
+
+
+def append_launch(key: torch.Tensor, value: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
+                  slot_block: torch.Tensor, state: AppendState, kv_start: torch.Tensor) -> tuple[tuple, dict]:
+    """Check `append_tokens`'s arguments and return `append_program`'s runtime arguments after ``bh, start``
+    (K and V first) and its constants: shared by `append_tokens` and `sparse_attention`'s merge launch."""
     batch, heads, num_tokens, head_dim = key.shape
     block_size = pool_k.shape[3]
     num_slots = slot_block.shape[-1] - 1
@@ -215,8 +249,9 @@ def append_tokens(
     for name, tensor in (("pool_k", pool_k), ("pool_v", pool_v)):
         if tensor.stride(3) != head_dim or tensor.stride(4) != 1 or tensor.stride() != pool_k.stride():
             raise ValueError(f"append_tokens: each block of {name} must be contiguous (BS, D), both pools alike")
-    for name, tensor in (("slot_block", slot_block), ("slot_score", slot_score), ("block_slot", block_slot),
-                         ("summaries", summaries)):
+    summaries, codes, kind = state.summaries, state.codes, state.kind
+    for name, tensor in (("slot_block", slot_block), ("slot_score", state.slot_score),
+                         ("block_slot", state.block_slot), ("summaries", summaries)):
         if not tensor.is_contiguous():
             raise ValueError(f"append_tokens: {name} must be contiguous")
     layout = SUMMARY_LAYOUT[kind]
@@ -227,23 +262,25 @@ def append_tokens(
             batch, heads, summaries.shape[3], block_size, head_dim // CODES_PER_BYTE)):
         raise ValueError(f"append_tokens: a 'quantized' summary needs contiguous uint8 codes of shape (B, H_kv, "
                          f"NB_cap, BS, D // {CODES_PER_BYTE}), got {None if codes is None else tuple(codes.shape)}")
-    width = -(-(num_tokens - 1) // block_size) + 1
-    _append_tokens_kernel[(batch * heads,)](
-        key, value, start, pool_k, pool_v, slot_block, slot_score, block_slot, summaries, kv_start.to(torch.int64),
-        codes if quant else summaries,
+    args = (
+        key, value, pool_k, pool_v, slot_block, state.slot_score, state.block_slot, summaries,
+        kv_start.to(torch.int64), codes if quant else summaries,
         key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
         pool_k.stride(0), pool_k.stride(1), pool_k.stride(2),
         summaries.stride(0), summaries.stride(1), summaries.stride(2),
         codes.stride(0) if quant else 0, codes.stride(1) if quant else 0,
-        num_slots, slot_block.stride(-2), block_slot.stride(-2), sink_blocks, recent_blocks,
+        num_slots, slot_block.stride(-2), state.block_slot.stride(-2), state.sink_blocks, state.recent_blocks,
+    )  # fmt: skip
+    meta = dict(
         H_KV=heads, NUM_TOKENS=num_tokens, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, SP=max(2, triton.next_power_of_2(num_slots)), WIDTH=width,
+        BLOCK_SIZE=block_size, SP=max(2, triton.next_power_of_2(num_slots)),
+        WIDTH=-(-(num_tokens - 1) // block_size) + 1,
         MEAN_AT=layout.index("mean") if "mean" in layout else -1,
         LO_AT=layout.index("lo") if "lo" in layout else -1,
         HI_AT=layout.index("hi") if "hi" in layout else -1,
-        QUANT=quant, BITS=CODE_BITS, PER_BYTE=CODES_PER_BYTE, EVICT_OLDEST=evict_oldest,
-        num_warps=4,
+        QUANT=quant, BITS=CODE_BITS, PER_BYTE=CODES_PER_BYTE, EVICT_OLDEST=state.evict_oldest,
     )  # fmt: skip
+    return args, meta
 
 
 def write_tokens(

@@ -6,6 +6,8 @@ float32. Each function has exactly the signature of its Triton counterpart.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 _INF = float("inf")
@@ -29,6 +31,26 @@ def summary_key_vectors(kind: str, block_size: int, element_size: int = 2) -> fl
     return len(SUMMARY_LAYOUT[kind]) + codes
 
 
+@dataclass(frozen=True)
+class AppendState:
+    """What `append_tokens` updates besides the pool and the slot table, and how: handed to `sparse_attention` to
+    append a step's new tokens after its attention, in the launch that merges the attention's splits.
+
+    slot_score : (B, H_kv, S + 1) float32; block_slot : (B, H_kv, NB_cap + 1) int64; summaries : (n, B, H_kv, NB_cap,
+    D) in the layout of `kind`; kv_start : (B,) int64; codes : a ``quantized`` summary's key codes. The other fields
+    as `append_tokens`'s keyword arguments.
+    """
+
+    slot_score: torch.Tensor
+    block_slot: torch.Tensor
+    summaries: torch.Tensor
+    kind: str
+    sink_blocks: int
+    recent_blocks: int
+    codes: torch.Tensor | None = None
+    evict_oldest: bool = False
+
+
 def sparse_attention_ref(
     query: torch.Tensor,
     pool_k: torch.Tensor,
@@ -37,6 +59,10 @@ def sparse_attention_ref(
     seq_len: int | torch.Tensor,
     kv_start: torch.Tensor,
     scale: float,
+    *,
+    new_key: torch.Tensor | None = None,
+    new_value: torch.Tensor | None = None,
+    append: AppendState | None = None,
 ) -> torch.Tensor:
     """Exact attention of the new queries over the resident blocks (twin of `sparse_attention`).
 
@@ -55,6 +81,12 @@ def sparse_attention_ref(
         First real position of each sequence; earlier positions are left padding and never attended.
     scale : float
         Softmax scale (usually ``D ** -0.5``).
+    new_key, new_value : (B, H_kv, T, D), optional
+        The ``T`` new tokens' K/V. Given, they are read from here and the pool only below position
+        ``seq_len - T``: the tokens need not be in the pool yet.
+    append : AppendState, optional (needs `new_key` / `new_value`)
+        After the attention, append the new tokens as `append_tokens` does (pool rows, slot table `slot_block`
+        with its S + 1 columns, summaries): a block this evicts was still attended in this call.
 
     Returns
     -------
@@ -64,6 +96,8 @@ def sparse_attention_ref(
     batch, num_q_heads, num_tokens, head_dim = query.shape
     _, num_kv_heads, num_slots, block_size, _ = pool_k.shape
     group = num_q_heads // num_kv_heads
+    check_new_tokens("sparse_attention", query, pool_k, new_key, new_value, append)
+    table = slot_block
     slot_block = slot_block[..., :num_slots].long()
 
     keys = pool_k.float().reshape(batch, num_kv_heads, num_slots * block_size, head_dim)
@@ -73,7 +107,15 @@ def sparse_attention_ref(
         batch, num_kv_heads, num_slots * block_size
     )
     key_ok = (slot_block[..., None] >= 0).expand(-1, -1, -1, block_size).reshape_as(key_pos)
-    key_ok = key_ok & (key_pos < seq_len) & (key_pos >= kv_start.view(batch, 1, 1).to(key_pos.device))
+    pool_end = seq_len - num_tokens if new_key is not None else seq_len
+    key_ok = key_ok & (key_pos < pool_end) & (key_pos >= kv_start.view(batch, 1, 1).to(key_pos.device))
+    if new_key is not None:  # the new tokens after the pool's keys, as the pool would hold them (its dtype)
+        new_pos = (seq_len - num_tokens + torch.arange(num_tokens, device=query.device)).expand(
+            batch, num_kv_heads, -1)
+        keys = torch.cat([keys, new_key.to(pool_k.dtype).float()], dim=2)
+        values = torch.cat([values, new_value.to(pool_v.dtype).float()], dim=2)
+        key_ok = torch.cat([key_ok, new_pos >= kv_start.view(batch, 1, 1).to(key_pos.device)], dim=2)
+        key_pos = torch.cat([key_pos, new_pos], dim=2)
     query_pos = seq_len - num_tokens + torch.arange(num_tokens, device=query.device)  # (T,)
     # (B, H_kv, T, S * BS)
     allowed = key_ok[:, :, None, :] & (key_pos[:, :, None, :] <= query_pos[None, None, :, None])
@@ -87,8 +129,30 @@ def sparse_attention_ref(
     # sequence may hold anything (a preallocated buffer's uninitialised memory), and 0 * NaN would be NaN.
     values = values.masked_fill(~key_ok[..., None], 0.0)
     out = torch.einsum("bhmn,bhnd->bhmd", probs, values)
-    out = out.reshape(batch, num_q_heads, num_tokens, head_dim).transpose(1, 2)
-    return out.to(query.dtype)
+    out = out.reshape(batch, num_q_heads, num_tokens, head_dim).transpose(1, 2).to(query.dtype)
+    if append is not None:
+        start = torch.as_tensor(seq_len, device=query.device) - num_tokens
+        append_tokens_ref(new_key, new_value, start, pool_k, pool_v, table, append.slot_score, append.block_slot,
+                          append.summaries, kv_start, kind=append.kind,
+                          sink_blocks=append.sink_blocks, recent_blocks=append.recent_blocks, codes=append.codes,
+                          evict_oldest=append.evict_oldest)
+    return out
+
+
+def check_new_tokens(name: str, query: torch.Tensor, pool_k: torch.Tensor, new_key: torch.Tensor | None,
+                     new_value: torch.Tensor | None, append: AppendState | None) -> None:
+    """`sparse_attention`'s checks of its optional new tokens: both or neither, shaped (B, H_kv, T, D) after the
+    query and the pool, and present when an append is asked for."""
+    if (new_key is None) != (new_value is None):
+        raise ValueError(f"{name}: pass new_key and new_value together")
+    if append is not None and new_key is None:
+        raise ValueError(f"{name}: append= needs the new tokens (new_key=, new_value=)")
+    if new_key is None:
+        return
+    want = (query.shape[0], pool_k.shape[1], query.shape[2], query.shape[3])
+    if new_key.shape != want or new_value.shape != want:
+        raise ValueError(f"{name}: new_key {tuple(new_key.shape)} / new_value {tuple(new_value.shape)} are not "
+                         f"(B, H_kv, T, D) = {want}")
 
 
 def block_mass_ref(

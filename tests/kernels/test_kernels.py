@@ -802,6 +802,138 @@ def test_append_tokens_kernel_matches_twin_quantized(case, dtype):
         append_tokens(*args_k, kind="quantized", sink_blocks=1, recent_blocks=2)
 
 
+def _attention_append_case(case, kind, dtype, device, seed, group=3):
+    """`_append_case`'s state plus the step's queries (B, H_kv * group, T, D) and its `AppendState`."""
+    from oasis_hf.kernels.ref import AppendState
+
+    key, value, start, pool_k, pool_v, slot_block, slot_score, block_slot, summaries, kv_start = _append_case(
+        case, kind, dtype, device, seed)
+    b, h, t, d = key.shape
+    gen = torch.Generator().manual_seed(100 + seed)
+    query = torch.randn(b, h * group, t, d, generator=gen).mul_(0.5).to(dtype).to(device)
+    state = AppendState(slot_score, block_slot, summaries, kind, sink_blocks=1, recent_blocks=2,
+                        evict_oldest=seed % 2 == 1)
+    return query, key, value, start, pool_k, pool_v, slot_block, kv_start, state
+
+
+def _clone_state(state):
+    from dataclasses import replace
+
+    return replace(state, slot_score=state.slot_score.clone(), block_slot=state.block_slot.clone(),
+                   summaries=state.summaries.clone(), codes=None if state.codes is None else state.codes.clone())
+
+
+def _poison_new_rows(pool, slot_block, start, num_tokens):
+    """NaN in the pool rows the new tokens will occupy in blocks already resident: a read of them shows."""
+    bs = pool.shape[3]
+    num_slots = slot_block.shape[-1] - 1
+    for pos in range(int(start), int(start) + num_tokens):
+        held = slot_block[..., :num_slots] == pos // bs  # (B, H_kv, S)
+        pool[..., pos % bs, :][held] = float("nan")
+
+
+@pytest.mark.parametrize("case", APPEND_CASES, ids=str)
+def test_sparse_attention_twin_reads_the_new_tokens_from_its_arguments(case):
+    """Given `new_key` / `new_value`, the pool is read below the new tokens only (its rows at their positions hold
+    NaN here): with empty slots for the new blocks (no eviction), that equals appending first and attending the
+    pool. With `append=`, the twin leaves the same pool, table and summaries as `append_tokens_ref` alone."""
+    query, key, value, start, pool_k, pool_v, slot_block, kv_start, state = _attention_append_case(
+        case, "mean", torch.float32, "cpu", seed=0)
+    seq_len, scale = start + key.shape[2], query.shape[-1] ** -0.5
+    num_slots = slot_block.shape[-1] - 1
+    state.slot_score[state.slot_score == -float("inf")] = 0.5  # no resident block as cheap as an empty slot
+    appended = [x.clone() for x in (pool_k, pool_v, slot_block)]
+    after = _clone_state(state)
+    append_tokens_ref(key, value, start, *appended, after.slot_score, after.block_slot, after.summaries, kv_start,
+                      kind="mean", sink_blocks=1, recent_blocks=2)
+    held = slot_block[..., :num_slots]
+    assert ((held < 0) | (held == appended[2][..., :num_slots])).all()  # nothing was evicted
+    expected = sparse_attention_ref(query, *appended, seq_len, kv_start, scale)
+    for pool in (pool_k, pool_v):
+        _poison_new_rows(pool, slot_block, start, key.shape[2])
+    got = sparse_attention_ref(query, pool_k, pool_v, slot_block, seq_len, kv_start, scale, new_key=key,
+                               new_value=value)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    mine = _clone_state(state)
+    fused = [x.clone() for x in (pool_k, pool_v, slot_block)]
+    again = sparse_attention_ref(query, *fused, seq_len, kv_start, scale, new_key=key, new_value=value, append=mine)
+    torch.testing.assert_close(again, expected, atol=1e-5, rtol=1e-5)
+    for name, x, y in zip(("pool_k", "pool_v", "slot_block", "slot_score", "block_slot", "summaries"),
+                          fused + [mine.slot_score, mine.block_slot, mine.summaries],
+                          appended + [after.slot_score, after.block_slot, after.summaries], strict=True):
+        assert torch.equal(x, y), name
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["mean+minmax", "quantized"])
+@pytest.mark.parametrize("case", APPEND_CASES, ids=str)
+def test_sparse_attention_kernel_with_new_tokens_and_append_matches_twin(case, kind, dtype):
+    """The new tokens read from the arguments (the pool's rows for them are NaN) and, with `append=`, the append in
+    the merge launch: output to the attention tolerance, pool / table identical, summaries to rounding, evicting by
+    score (seed 0) and by age (seed 1). Without `append=` nothing is written."""
+    from oasis_hf.kernels.ref import CODES_PER_BYTE
+
+    dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+    for seed in (0, 1):
+        query, key, value, start, pool_k, pool_v, slot_block, kv_start, state = _attention_append_case(
+            case, kind, dtype, dev, seed)
+        if kind == "quantized":
+            b, h, _, bs, d = pool_k.shape
+            codes = torch.randint(0, 256, (b, h, state.summaries.shape[3], bs, d // CODES_PER_BYTE),
+                                  dtype=torch.uint8).to(dev)
+            state = replace_codes(state, codes)
+        for pool in (pool_k, pool_v):
+            _poison_new_rows(pool, slot_block, start, key.shape[2])
+        seq_len, scale = start + key.shape[2], query.shape[-1] ** -0.5
+        before = [x.clone() for x in (pool_k, pool_v, slot_block)]
+        plain = sparse_attention(query, pool_k, pool_v, slot_block, seq_len, kv_start, scale, new_key=key,
+                                 new_value=value)
+        for x, y in zip((pool_k, pool_v, slot_block), before, strict=True):
+            assert torch.equal(x.nan_to_num(), y.nan_to_num())
+        mine, theirs = state, _clone_state(state)
+        twin_tensors = [x.clone() for x in (pool_k, pool_v, slot_block)]
+        out = sparse_attention(query, pool_k, pool_v, slot_block, seq_len, kv_start, scale, new_key=key,
+                               new_value=value, append=mine)
+        ref = sparse_attention_ref(query, *twin_tensors, seq_len, kv_start, scale, new_key=key, new_value=value,
+                                   append=theirs)
+        exact = sparse_attention_ref(query.float(), *[x.float() for x in before[:2]], before[2], seq_len, kv_start,
+                                     scale, new_key=key.float(), new_value=value.float())
+        err = (out.float() - exact).abs().max().item()
+        ref_err = (ref.float() - exact).abs().max().item()
+        assert out.isfinite().all() and err <= 2 * ref_err + TOL[dtype], (err, ref_err, seed)
+        assert (plain.float() - out.float()).abs().max().item() == 0.0  # the append does not change the output
+        for name, x, y in zip(("pool_k", "pool_v", "slot_block", "slot_score", "block_slot"),
+                              (pool_k, pool_v, slot_block, mine.slot_score, mine.block_slot),
+                              (*twin_tensors, theirs.slot_score, theirs.block_slot), strict=True):
+            trash = name in ("slot_block", "slot_score", "block_slot")  # masked twin writes land in the last column
+            x, y = (x[..., :-1], y[..., :-1]) if trash else (x.nan_to_num(), y.nan_to_num())
+            assert torch.equal(x, y), f"{name} (seed {seed})"
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(mine.summaries, theirs.summaries, atol=tol, rtol=tol)
+        if kind == "quantized":
+            assert torch.equal(mine.codes, theirs.codes)
+
+
+def replace_codes(state, codes):
+    from dataclasses import replace
+
+    return replace(state, codes=codes)
+
+
+def test_sparse_attention_refuses_half_the_new_tokens_or_an_append_without_them():
+    query, key, value, start, pool_k, pool_v, slot_block, kv_start, state = _attention_append_case(
+        APPEND_CASES[0], "mean", torch.float32, "cpu", seed=0)
+    args = (query, pool_k, pool_v, slot_block, start + 1, kv_start, 0.25)
+    for attend in (sparse_attention, sparse_attention_ref):
+        with pytest.raises(ValueError, match="new_key and new_value together"):
+            attend(*args, new_key=key)
+        with pytest.raises(ValueError, match="append= needs the new tokens"):
+            attend(*args, append=state)
+        with pytest.raises(ValueError, match=r"not \(B, H_kv, T, D\)"):
+            attend(*args, new_key=key[:, :1], new_value=value[:, :1])
+
+
 def test_quantized_codes_round_trip_and_pack_four_channels_per_byte():
     """`quantize_blocks` / `dequantize_blocks`: a key on its block's 4-level grid comes back exactly; any key within
     (hi - lo) / 6 of itself; channel d sits in byte d // 4 at bit 2 * (d % 4); unreal tokens and flat channels
