@@ -523,11 +523,12 @@ def test_plan_blocks_kernel_matches_twin(case, max_fetch):
 
 
 @needs_triton
-@pytest.mark.parametrize("spread", ["last-byte", "negative", "all-equal"])
+@pytest.mark.parametrize("spread", ["last-byte", "negative", "all-equal", "extremes"])
 def test_plan_blocks_threshold_select_on_close_scores(spread):
     """The kernel's select of the S-th best score works on the integer form of the scores: scores that differ only
-    in their lowest bits (adjacent floats), negative ones, and a row of equal scores (every block ties) give the
-    twin's plan and table, and every chosen block scores at least the S-th best."""
+    in their lowest bits (adjacent floats), negative ones, a row of equal scores (every block ties) and scores at
+    the ends of the float range (+-max, +-denormals, +-0, -inf) give the twin's plan and table, and every chosen
+    block scores at least the S-th best."""
     dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
     gen = torch.Generator().manual_seed(len(spread))
     batch, heads, num_slots, num_blocks = 1, 3, 6, 70
@@ -536,6 +537,12 @@ def test_plan_blocks_threshold_select_on_close_scores(spread):
         scores = (torch.ones(batch, heads, num_blocks).view(torch.int32) + ulp).view(torch.float32)
     elif spread == "negative":
         scores = -(torch.full((batch, heads, num_blocks), 3.0).view(torch.int32) + ulp * 3).view(torch.float32)
+    elif spread == "extremes":
+        big, tiny = torch.finfo(torch.float32).max, 1e-45  # the largest float and the smallest denormal
+        values = torch.tensor([big, big, -big, tiny, -tiny, 0.0, -0.0, -float("inf")])
+        scores = values[torch.randint(0, len(values), (batch, heads, num_blocks), generator=gen)]
+        # one head without +max: its S-th best lies among the smallest values
+        scores[:, 1] = torch.where(scores[:, 1] == big, -big, scores[:, 1])
     else:
         scores = torch.full((batch, heads, num_blocks), 0.25)
     scores[..., 0] = float("inf")
