@@ -150,8 +150,17 @@ def press_prefill(model, ids: torch.Tensor, press, budget: int, tail: int = 0) -
     if tail:
         positions = torch.arange(head.shape[1], ids.shape[1], device=ids.device)[None]
         with on_sdpa(model):
-            out = model(input_ids=ids[:, head.shape[1]:], past_key_values=cache, position_ids=positions,
-                        use_cache=True, **last)
+            try:
+                out = model(input_ids=ids[:, head.shape[1]:], past_key_values=cache, position_ids=positions,
+                            use_cache=True, **last)
+            except ValueError as err:  # kvpress's attention_patch.search_hyperplane gave up
+                if "fake keys" not in str(err):
+                    raise
+                raise UnsupportedError(
+                    f"the press prunes keys per head, which kvpress hides behind a fake key that every query scores "
+                    f"negatively, and it found none for the {tail} uncompressed tokens after the compressed part "
+                    f"({err}); use protocol='query-aware' (only the answer cue stays uncompressed) or a press that "
+                    "keeps the same tokens in every head") from err
     expected = min(budget, ids.shape[1])
     if kept_tokens(model, cache) != {expected}:
         raise RuntimeError(f"the press left {sorted(kept_tokens(model, cache))} tokens per layer and head, not the "

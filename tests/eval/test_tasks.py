@@ -315,6 +315,33 @@ def test_press_protocols_count_the_uncompressed_tail_inside_the_budget(press, pr
     assert kept_tokens(lm.model, cache) == {budget}
 
 
+def test_press_prefill_names_the_protocol_when_kvpress_cannot_mask_the_tail(monkeypatch):
+    """A head-wise press (AdaKV) hides each head's pruned keys from later queries behind a fake key that all of them
+    score negatively; where kvpress's search for that key gives up on the uncompressed tail's queries, the prefill
+    stops with an error that names the protocol that leaves only the answer cue uncompressed, not kvpress's bare
+    ValueError."""
+    _kvpress_hooks_or_skip()
+    import kvpress.attention_patch
+    import torch
+
+    from eval.press_baselines import PressLM, press_prefill, question_split
+    from oasis_hf.errors import UnsupportedError
+
+    def gives_up(queries, max_iter=1000):
+        raise ValueError("Could not find fake keys such that for every query q, exp(<q, k>) = 0")
+
+    monkeypatch.setattr(kvpress.attention_patch, "search_hyperplane", gives_up)
+    torch.manual_seed(0)
+    tok = char_tokenizer()
+    lm = PressLM(pretrained=_tiny_llama(heads=4, kv_heads=2), tokenizer=tok, budget=288, device="cpu", batch_size=1,
+                 max_length=2048, press="AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))", protocol="query-agnostic")
+    ids = tok(SUITE_PROMPT, return_tensors="pt")["input_ids"]
+    question, _ = question_split(tok, ids[0].tolist())
+    with pytest.raises(UnsupportedError, match="protocol='query-aware'") as caught:
+        press_prefill(lm.model, ids, lm.press, 288, ids.shape[1] - question)
+    assert isinstance(caught.value.__cause__, ValueError)
+
+
 @pytest.mark.parametrize("press", ["SnapKVPress", "AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))"])
 def test_press_rows_decode_a_batch_as_they_decode_one_request_at_a_time(press):
     """A request batch (left padded, as lm-eval gives it): each prompt is compressed on its own; the compressed caches
