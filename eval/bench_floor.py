@@ -11,7 +11,10 @@ runs all of its rows in this one process, the K/V filled with random values (no 
   dense attention; the faster of the two is the reference every ratio is taken against;
 - ``dense-eager`` (`DynamicCache`) and ``dense-compile`` (`StaticCache` + ``torch.compile``, at ``--compile-points``);
 - ``floor``: the bytes a step must read over the copy bandwidth measured at the start of the run, for dense and for
-  OasisKV at the budget (resident K/V plus one read of the block summaries for the selectors that score);
+  OasisKV at the budget (resident K/V plus one read of the block summaries for the selectors that score); each
+  fetching OasisKV row also carries its ``PCIe floor ms``: the delta it moved per step over the host-to-device copy
+  bandwidth measured at the start of the run (a step is no faster than the larger of its two floors, since a
+  selection job's transfer finishes inside the step that forks it);
 - ``oasis-static``, ``oasis-lookahead``, ``oasis-current-query``: `oasis_hf.DecodeGraph` replays (one CUDA graph per
   step, the lookahead selection jobs forked onto the prefetch stream inside it). Random K/V make every step's
   selection new, so lookahead moves its ``max_fetch_blocks`` cap (16 per sequence, KV head and layer) every step;
@@ -91,6 +94,7 @@ from eval.dense_baselines import (
     dense_graphed_row,
     floor_ms,
     graphed_label,
+    h2d_bandwidth,
     hbm_bandwidth,
     kv_bytes_per_token,
 )
@@ -112,7 +116,8 @@ METHODS = ("dense-eager", "dense-graphed", "dense-compile", "oasis-static", "oas
 COLUMNS = ["method", "kind", "batch", "context", "ms_per_step", "ms/step (p90)", "tokens/s",
            "speed-up vs dense graphed", "step vs static", "vs dense eager", "host enqueue ms/step",
            "ms/step (no per-step sync)", "GPU KV MiB/seq",
-           "host MiB/seq", "fetched blocks/(seq, head, layer-step)", "PCIe GB/s", "note"]
+           "host MiB/seq", "fetched blocks/(seq, head, layer-step)", "PCIe GB/s", "delta MB/step", "PCIe floor ms",
+           "note"]
 
 
 #: --compile-model: which variants of the dense-graphed (sdpa) and OasisKV rows run (model through torch.compile).
@@ -164,9 +169,10 @@ def selector_of(method: str) -> str:
 
 @torch.inference_mode()
 def oasis_row(model, kind: str, cfg: oasis_hf.OasisConfig, pool: PinnedPool, batch: int, context: int,
-              warmup: int, repeats: int, profile: bool) -> dict:
+              warmup: int, repeats: int, profile: bool, h2d: float) -> dict:
     """Fill an OasisCache with random K/V, then time `oasis_hf.DecodeGraph` replays of one-token steps (the first
-    steps of the warm-up run eagerly, compile when `cfg.compile_model`, and capture)."""
+    steps of the warm-up run eagerly, compile when `cfg.compile_model`, and capture). `h2d`: the host-to-device copy
+    bandwidth (bytes/s) the row's PCIe floor divides its delta by."""
     release_memory()
     model.set_attn_implementation("oasis")
     with oasis_hf.OasisCache(model.config, cfg, host_pool=pool) as cache:
@@ -209,6 +215,7 @@ def oasis_row(model, kind: str, cfg: oasis_hf.OasisConfig, pool: PinnedPool, bat
                "host MiB/seq": cache.host_nbytes() / batch / 2**20,
                "fetched blocks/(seq, head, layer-step)": fetched / pairs,
                "PCIe GB/s": moved / (typical / 1e3) / 1e9 if fetched else 0.0,
+               "delta MB/step": moved / 1e6, "PCIe floor ms": 1e3 * moved / h2d,
                "fetch_programs": cfg.fetch_programs, "max_fetch_blocks": cfg.max_fetch_blocks,
                "block_size": cfg.block_size, "summary": cfg.summary,
                "prefetch late jobs": stats["prefetch_late"], "KV fill s": fill_s,
@@ -220,8 +227,8 @@ def oasis_row(model, kind: str, cfg: oasis_hf.OasisConfig, pool: PinnedPool, bat
     return row
 
 
-def run_point(model, args, batch: int, context: int, bandwidth: float, pool: PinnedPool, rate: float | None,
-              rate_note: str = "") -> list:
+def run_point(model, args, batch: int, context: int, bandwidth: float, h2d: float, pool: PinnedPool,
+              rate: float | None, rate_note: str = "") -> list:
     rows: list[dict] = []
     point = f"{batch}x{context}"
     free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 2**62
@@ -306,7 +313,7 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, pool: Pin
         profile = (args.profile_here and point in args.profile_points and torch.cuda.is_available()
                    and method in ("oasis-static", "oasis-lookahead", "oasis-lookahead-real"))
         row = attempt(lambda cfg=cfg, kind=kind, profile=profile: oasis_row(
-            model, kind, cfg, pool, batch, context, args.warmup, args.repeats, profile), method, kind)
+            model, kind, cfg, pool, batch, context, args.warmup, args.repeats, profile, h2d), method, kind)
         if labelled:
             row["method"] += f", fetch_programs={cfg.fetch_programs}"
         if method == "oasis-lookahead-real":
@@ -402,7 +409,7 @@ def annotate(rows: list[dict]) -> None:
             row["step vs static"] = ms / same
 
 
-def report(args, shape: dict, bandwidth: float, rows: list[dict], final: bool = False) -> str:
+def report(args, shape: dict, bandwidth: float, h2d: float, rows: list[dict], final: bool = False) -> str:
     env = environment()
     precision = ("bf16" if args.device.startswith("cuda")
                  else "fp32, a CPU smoke run (no graphs, no timing worth reading)")
@@ -412,14 +419,15 @@ def report(args, shape: dict, bandwidth: float, rows: list[dict], final: bool = 
               "forward); "
               f"OasisKV budget {args.budget} tokens ({config_label(args.config) or 'library defaults'}); "
               "device-to-device copy "
-              f"bandwidth {bandwidth / 1e12:.2f} TB/s measured in this run; medians of {args.repeats} steps after "
+              f"bandwidth {bandwidth / 1e12:.2f} TB/s and host-to-device (pinned, copy engine) {h2d / 1e9:.1f} "
+              f"GB/s measured in this run; medians of {args.repeats} steps after "
               f"{args.warmup}; `{env['command']}`\n\n")
     table = header + markdown_table(rows, [c for c in COLUMNS if any(c in r for r in rows)])
     if any("profile" in r for r in rows):
         table += "\n\n" + profile_table(rows)
     if args.out is not None:
         payload = {"env": env, "config": vars(args) | {"out": str(args.out)}, "shape": shape,
-                   "hbm_bytes_per_s": bandwidth, "rows": rows}
+                   "hbm_bytes_per_s": bandwidth, "h2d_bytes_per_s": h2d, "rows": rows}
         write_results(args.out, payload, table)
         if final:
             plot_floor(payload, args.out)
@@ -564,7 +572,8 @@ def main() -> None:
     # An --isolate parent only counts the model's bytes for the floor: its parameters stay on the meta device.
     model = build_model(shape, "meta" if isolate else args.device, torch.bfloat16 if on_gpu else torch.float32)
     bandwidth = hbm_bandwidth(args.device, 4 * GIB if on_gpu else 2**26)
-    logger.info("device-to-device copy bandwidth %.2f TB/s", bandwidth / 1e12)
+    h2d = h2d_bandwidth(args.device, GIB if on_gpu else 2**26)
+    logger.info("device-to-device copy bandwidth %.2f TB/s, host-to-device %.1f GB/s", bandwidth / 1e12, h2d / 1e9)
     rate, rate_note, args.rate_block_size = delta_rate(args.delta_rate, args.delta_task)
     pool = PinnedPool()
     rows: list[dict] = []
@@ -576,8 +585,8 @@ def main() -> None:
         if isolate:
             rows.extend(isolated_point(model, args, batch, context, bandwidth))
         else:
-            rows.extend(run_point(model, args, batch, context, bandwidth, pool, rate, rate_note))
-        print(report(args, shape, bandwidth, rows), flush=True)
+            rows.extend(run_point(model, args, batch, context, bandwidth, h2d, pool, rate, rate_note))
+        print(report(args, shape, bandwidth, h2d, rows), flush=True)
         pool.clear()
     if profile_child and not isolate:  # an --isolate run's children profile for themselves
         del model  # the child loads its own
@@ -585,7 +594,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             merged = merge_profiles(rows, profiles_from_child("eval.bench_floor", sys.argv[1:], Path(tmp)))
         logger.info("profiles of %d rows taken in a separate process", merged)
-    print(report(args, shape, bandwidth, rows, final=True))
+    print(report(args, shape, bandwidth, h2d, rows, final=True))
 
 
 if __name__ == "__main__":

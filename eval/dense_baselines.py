@@ -68,6 +68,33 @@ def hbm_bandwidth(device, nbytes: int = 4 * GIB, repeats: int = 10) -> float:
     return 2 * nbytes / median(times[2:])
 
 
+def h2d_bandwidth(device, nbytes: int = GIB, repeats: int = 10) -> float:
+    """Bytes per second of a large copy from pinned host memory to `device` on a copy engine (the most the host link,
+    PCIe on our machines, moves in one direction), median of `repeats` (CUDA events; on the CPU a host clock, for
+    smoke runs)."""
+    device = torch.device(device)
+    pinned = device.type == "cuda"
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(repeats + 2):
+        if pinned:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+    del src, dst
+    if pinned:
+        torch.cuda.empty_cache()
+    return nbytes / median(times[2:])
+
+
 def weight_bytes(model, batch: int) -> int:
     """Parameter bytes one decode step reads: all of them, the input embedding table counted for its `batch` rows."""
     embed = model.get_input_embeddings().weight

@@ -533,7 +533,16 @@ def test_floor_bench_runs_every_kind_of_row_in_one_process(tmp_path, monkeypatch
                                       "--delta-rate", str(rate), "--compile-model", "off", "--sync-fetch-blocks", "2",
                                       "--out", str(out)])
     bench_floor.main()
-    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    payload = json.loads(out.with_suffix(".json").read_text())
+    rows = payload["rows"]
+    # Every OasisKV row carries the delta it moved per step and that delta over the host-to-device bandwidth the run
+    # measured; static moves nothing, lookahead on random K/V moves its cap.
+    assert payload["h2d_bytes_per_s"] > 0
+    oasis = [r for r in rows if r["kind"].startswith("oasis")]
+    for row in oasis:
+        assert row["PCIe floor ms"] == pytest.approx(1e3 * row["delta MB/step"] * 1e6 / payload["h2d_bytes_per_s"])
+    assert all(r["delta MB/step"] == 0 for r in oasis if r["kind"] == "oasis-static")
+    assert all(r["delta MB/step"] > 0 for r in oasis if r["kind"] == "oasis-lookahead")
     # Each lookahead row again with the in-step correction, labelled; no other row gets it.
     corrected = [r for r in rows if r["method"].endswith(", sync_fetch_blocks=2")]
     assert sorted(r["kind"] for r in corrected) == ["oasis-lookahead", "oasis-lookahead"]
