@@ -188,7 +188,7 @@ def run_method(model, label: str, make_cache, batch: int, context: int, dtype, w
 FAMILIES = [
     ("weight GEMMs", r"gemm|cutlass|nvjet|xmma|cublas|splitK"),
     ("sparse attention", r"_sparse_attention_kernel"),
-    ("attention split merge", r"_merge_splits_kernel"),
+    ("attention split merge (+ the step's append)", r"_merge_splits_kernel|_merge_append_kernel"),
     ("append tokens (slots, pool, table, summaries)", r"_append_tokens_kernel"),
     ("host write-back", r"_write_tokens_kernel|_copy_rows_kernel"),
     ("block scoring", r"_stats_kernel|_scores_kernel|_score_blocks_kernel"),
