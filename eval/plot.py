@@ -231,7 +231,11 @@ def plot_recall(payload: dict, path: Path) -> Path | None:
 def _floor_label(method: str) -> str:
     """A legend label: the method without the decode-path note (and the real-rate row without its cap)."""
     method = method.replace(" (whole-step graph)", "").replace(" (+ mean-key summaries read once)", "")
-    return method.split(" (")[0] if "real-model" in method else method
+    if "real-model" not in method:
+        return method
+    # A --variant's row keeps its name (``[every2: selection_interval=2]`` -> ``[every2]``): two rows, two lines.
+    variant = method.rsplit(" [", 1)[1].split(":")[0].rstrip("]") if method.endswith("]") else ""
+    return method.split(" (")[0] + (f" [{variant}]" if variant else "")
 
 
 def plot_floor(payload: dict, path: Path) -> Path | None:
