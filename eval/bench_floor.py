@@ -31,7 +31,8 @@ ratio against static compares like with like; ``compile + capture s`` is the tim
 ``--fetch-programs 8 16`` runs the fetching OasisKV rows once per cap on the delta gather's programs
 (`OasisConfig.fetch_programs`: fewer programs hold fewer SMs beside the step, more move the delta faster), in the
 same process, each row labelled with its cap. ``python -m eval.bench_floor --compare BEFORE.json AFTER.json OUT.md``
-sets two runs' profiles side by side.
+sets two runs' profiles side by side; ``python -m eval.bench_floor --combine OUT RUN.json ...`` writes one results
+file (JSON, table, figure) from several runs, e.g. one process per point, each row tagged with its run.
 
 ``--config FIELD=VALUE ...`` sets `OasisConfig` fields of every OasisKV row (e.g. the accuracy suite's selection
 setting: ``block_size=16 sink_tokens=16 recent_tokens=64 summary=mean+minmax``); the rows' labels carry them and the
@@ -480,8 +481,36 @@ def compare_profiles(before: dict, after: dict) -> str:
     return "\n".join(lines)
 
 
+def combine(out: Path, runs: list[Path]) -> str:
+    """One results file from several runs of this benchmark (e.g. one process per point): their rows unchanged, each
+    tagged with the file it came from, every run's environment and command kept under ``runs``; the markdown table
+    and the figure of the whole. Ratios stay those of each row's own run."""
+    payloads = [json.loads(run.read_text()) for run in runs]
+    rows = [row | {"run": run.stem} for run, payload in zip(runs, payloads, strict=True) for row in payload["rows"]]
+    header = ("Rows of several runs of `eval.bench_floor`, each ratio against the dense row of its own run (its "
+              "`run` column). Runs:\n\n" + "\n".join(
+                  f"- `{run.stem}`: {payload['env'].get('gpu')}, torch {payload['env'].get('torch')}, source "
+                  f"{payload['env'].get('source_sha256')}; `{payload['env'].get('command')}`"
+                  for run, payload in zip(runs, payloads, strict=True)))
+    table = f"{header}\n\n" + markdown_table(rows, [c for c in ["run", *COLUMNS] if any(c in r for r in rows)])
+    payload = {"env": payloads[0]["env"], "command": f"python -m eval.bench_floor --combine {out} "
+               + " ".join(str(run) for run in runs),
+               "runs": [{"file": run.name, "env": p["env"], "hbm_bytes_per_s": p.get("hbm_bytes_per_s"),
+                         "h2d_bytes_per_s": p.get("h2d_bytes_per_s"), "provenance": p.get("provenance")}
+                        for run, p in zip(runs, payloads, strict=True)],
+               "rows": rows}
+    write_results(out, payload, table)
+    plot_floor(payload, out)
+    return table
+
+
 def main() -> None:
     code_identity()
+    if len(sys.argv) > 1 and sys.argv[1] == "--combine":  # python -m eval.bench_floor --combine OUT RUN.json ...
+        if len(sys.argv) < 4:
+            raise SystemExit("usage: python -m eval.bench_floor --combine OUT RUN.json [RUN.json ...]")
+        print(combine(Path(sys.argv[2]), [Path(a) for a in sys.argv[3:]]))
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "--compare":  # python -m eval.bench_floor --compare BEFORE AFTER OUT.md
         before, after, out = (Path(a) for a in sys.argv[2:5])
         table = compare_profiles(json.loads(before.read_text()), json.loads(after.read_text()))

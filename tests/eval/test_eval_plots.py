@@ -1020,3 +1020,47 @@ def test_accuracy_time_budget_starts_only_tasks_expected_to_end_in_it(tmp_path, 
     assert accuracy.expected_seconds({("m", 8192): [5.0, 7.0]}, previous, "m", 8192) == 7.0
     assert accuracy.expected_seconds({}, previous, "other", 8192) == 0.0
     assert accuracy.worker_argv(["--out", "x", "--time-budget", "100", "--parts", "2"]) == ["--out", "x"]
+
+
+def test_floor_bench_combine_keeps_every_run_and_tags_its_rows(tmp_path, monkeypatch, capsys):
+    """--combine: one results file from runs of one point each; rows unchanged but for the run they came from, each
+    run's environment and command kept; a call without runs is refused with the usage."""
+    import sys
+
+    from eval import bench_floor
+
+    runs = []
+    for point, ms in (("8x32512", 6.0), ("1x130560", 5.5)):
+        batch, context = (int(x) for x in point.split("x"))
+        run = tmp_path / f"floor_{point}.json"
+        run.write_text(json.dumps({
+            "env": {"gpu": "GPU", "torch": "t", "source_sha256": "abc", "command": f"bench --points {point}"},
+            "hbm_bytes_per_s": 4e12, "h2d_bytes_per_s": 5e10, "rows": [
+                {"method": "dense graphed (sdpa)", "kind": "dense-graphed", "batch": batch, "context": context,
+                 "ms_per_step": 2 * ms, "speed-up vs dense graphed": 1.0},
+                {"method": "OasisKV static @2048", "kind": "oasis-static", "batch": batch, "context": context,
+                 "ms_per_step": ms, "speed-up vs dense graphed": 2.0}]}))
+        runs.append(run)
+    out = tmp_path / "floor_all"
+    monkeypatch.setattr(sys, "argv", ["bench_floor", "--combine", str(out), *map(str, runs)])
+    bench_floor.main()
+    payload = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["run"], r["kind"], r["batch"], r["ms_per_step"]) for r in payload["rows"]] == [
+        ("floor_8x32512", "dense-graphed", 8, 12.0), ("floor_8x32512", "oasis-static", 8, 6.0),
+        ("floor_1x130560", "dense-graphed", 1, 11.0), ("floor_1x130560", "oasis-static", 1, 5.5)]
+    assert [r["env"]["command"] for r in payload["runs"]] == ["bench --points 8x32512", "bench --points 1x130560"]
+    table = out.with_suffix(".md").read_text()
+    assert "`bench --points 8x32512`" in table and "`bench --points 1x130560`" in table
+    monkeypatch.setattr(sys, "argv", ["bench_floor", "--combine", str(out)])
+    with pytest.raises(SystemExit, match="usage"):
+        bench_floor.main()
+
+
+def test_floor_figure_gives_a_variant_row_a_legend_entry_of_its_own():
+    """The real-rate lookahead row and its --variant twin are two lines: their legend labels differ."""
+    from eval.plot import _floor_label
+
+    base = "OasisKV lookahead @2048 (whole-step graph, torch.compile), real-model delta rate (5 blocks per (seq, head, "
+    labels = {_floor_label(base + "layer-step))"),
+              _floor_label(base + "job, one per 2 steps)) [every2: selection_interval=2 max_fetch_blocks=6]")}
+    assert labels == {"OasisKV lookahead @2048", "OasisKV lookahead @2048 [every2]"}
