@@ -43,42 +43,13 @@ PREFIX_ATTENTION = "bench_dense_prefix"
 KERNELS = ("sdpa", "triton")
 
 
-def hbm_bandwidth(device, nbytes: int = 4 * GIB, repeats: int = 10) -> float:
-    """Bytes per second of a large device-to-device copy (read + write counted), median of `repeats` (CUDA events;
-    on the CPU a host clock, for smoke runs)."""
-    device = torch.device(device)
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()  # `nbytes` bytes
-    dst = torch.empty_like(src)
+def _copy_seconds(dst: torch.Tensor, src: torch.Tensor, repeats: int) -> float:
+    """Median seconds of ``dst.copy_(src)`` over `repeats` copies after two (CUDA events when `dst` is on a GPU, the
+    copy enqueued without a host wait; a host clock otherwise)."""
+    cuda = dst.is_cuda
     times = []
     for _ in range(repeats + 2):
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t0)
-    del src, dst
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return 2 * nbytes / median(times[2:])
-
-
-def h2d_bandwidth(device, nbytes: int = GIB, repeats: int = 10) -> float:
-    """Bytes per second of a large copy from pinned host memory to `device` on a copy engine (the most the host link,
-    PCIe on our machines, moves in one direction), median of `repeats` (CUDA events; on the CPU a host clock, for
-    smoke runs)."""
-    device = torch.device(device)
-    pinned = device.type == "cuda"
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).fill_(1)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    times = []
-    for _ in range(repeats + 2):
-        if pinned:
+        if cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
             dst.copy_(src, non_blocking=True)
@@ -89,10 +60,32 @@ def h2d_bandwidth(device, nbytes: int = GIB, repeats: int = 10) -> float:
             t0 = time.perf_counter()
             dst.copy_(src)
             times.append(time.perf_counter() - t0)
-    del src, dst
-    if pinned:
+    return median(times[2:])
+
+
+def hbm_bandwidth(device, nbytes: int = 4 * GIB, repeats: int = 10) -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted), median of `repeats` (CUDA events;
+    on the CPU a host clock, for smoke runs)."""
+    device = torch.device(device)
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()  # `nbytes` bytes
+    seconds = _copy_seconds(torch.empty_like(src), src, repeats)
+    del src
+    if device.type == "cuda":
         torch.cuda.empty_cache()
-    return nbytes / median(times[2:])
+    return 2 * nbytes / seconds
+
+
+def h2d_bandwidth(device, nbytes: int = GIB, repeats: int = 10) -> float:
+    """Bytes per second of a large copy from pinned host memory to `device` on a copy engine (the most the host link,
+    PCIe on our machines, moves in one direction), median of `repeats` (CUDA events; on the CPU a host clock, for
+    smoke runs)."""
+    device = torch.device(device)
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda").fill_(1)
+    seconds = _copy_seconds(torch.empty(nbytes, dtype=torch.uint8, device=device), src, repeats)
+    del src
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return nbytes / seconds
 
 
 def weight_bytes(model, batch: int) -> int:
