@@ -11,17 +11,18 @@ device-to-device copy of 4 GiB (milliseconds long, so launch cost does not count
 The gather table moves what a lookahead job moves at batch 8 (Llama-8B KV shape, block 32, `max_fetch_blocks` 16):
 1024 random blocks of K and V (16 MiB) from one layer's pinned host store of 32k tokens into the block pool, for each
 program cap (`OasisConfig.fetch_programs`), with the fetch kernel `gather_blocks` (one launch, K and V together) and
-the previous path (`copy_rows` twice, offsets precomputed). "alone" is the gather by itself; "beside compute"
-replays it on a second stream while the compute stream runs a decode-like graph (the 8B MLP GEMMs at batch 8 and the
-sparse attention), and reports the gather's bandwidth there and how much it slowed the compute. The projection table
-times one Llama-8B layer's weight GEMMs as transformers issues them and with q/k/v and gate/up fused. The job
-interference table runs each part of a lookahead selection job (scoring, plan, gather, and the whole job) beside those
-GEMMs, forked per layer onto a highest-priority stream as the whole-step graph forks it, and reports how much each
-part slows them; then a job that moves a delta at every replay beside a whole 32-layer step with its lm_head, forked
-after every layer and with the jobs of 2, 4 or 8 layers forked together. ``--gemm-sm-carveouts`` repeats that table
-with the GEMMs on cuBLASLt told to leave some SMs free (PyTorch's experimental SM carve-out, which only cuBLASLt
-honours), the question being whether GEMMs sized for fewer SMs stop paying for the job beside them. Prints markdown
-tables and writes JSON.
+the previous path (`copy_rows` twice, offsets precomputed), and as the reference the same bytes in one contiguous
+pinned-to-device copy on a copy engine (every row's "% of copy engine"). "alone" is the gather by itself; "beside
+compute" replays it on a second stream while the compute stream runs a decode-like graph (the 8B MLP GEMMs at batch 8
+and the sparse attention), and reports the gather's bandwidth there and how much it slowed the compute. The
+projection table times one Llama-8B layer's weight GEMMs as transformers issues them and with q/k/v and gate/up
+fused. The job interference table runs each part of a lookahead selection job (scoring, plan, gather, and the whole
+job) beside those GEMMs, forked per layer onto a highest-priority stream as the whole-step graph forks it, and
+reports how much each part slows them; then a job that moves a delta at every replay beside a whole 32-layer step
+with its lm_head, forked after every layer and with the jobs of 2, 4 or 8 layers forked together.
+``--gemm-sm-carveouts`` repeats that table with the GEMMs on cuBLASLt told to leave some SMs free (PyTorch's
+experimental SM carve-out, which only cuBLASLt honours), the question being whether GEMMs sized for fewer SMs stop
+paying for the job beside them. Prints markdown tables and writes JSON.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import argparse
 import contextlib
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -118,6 +120,10 @@ def sparse_row(batch: int, kv_heads: int, q_heads: int, head_dim: int, budget: i
             "GB/s": nbytes / (ms / 1e3) / 1e9, "max abs err vs twin": err}
 
 
+#: The gather table's reference row: the same bytes in one contiguous copy on a copy engine.
+COPY_ENGINE = "copy engine (one contiguous copy)"
+
+
 def gather_rows(programs_list: list[int | None], batch: int = 8, heads: int = 8, per_head: int = 16,
                 context: int = 32768, block: int = 32, head_dim: int = 128) -> list[dict]:
     """The delta gather for each program cap, alone and beside a decode-like compute graph (see module docstring)."""
@@ -171,17 +177,26 @@ def gather_rows(programs_list: list[int | None], batch: int = 8, heads: int = 8,
     compute_graph = capture(compute)
     compute_alone = median([_elapsed(*timed(compute_graph, main)) for _ in range(20)])
     valid = torch.ones_like(blocks, dtype=torch.bool)
+    # The reference: the same bytes as one contiguous pinned-to-device copy on a copy engine (no SM involved), the
+    # most the host link gives; the gather's scattered blocks cannot go that way in one call.
+    engine_src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).pin_memory()
+    engine_dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     rows = []
-    for programs, kernel in [(p, k) for p in programs_list for k in ("gather_blocks", "copy_rows x2")]:
+    variants = [(p, k) for p in programs_list for k in ("gather_blocks", "copy_rows x2")]
+    for programs, kernel in [*variants, (None, COPY_ENGINE)]:
         def gather(programs=programs, kernel=kernel):
             if kernel == "gather_blocks":  # the fetch path: one launch, offsets from the plan, K and V together
                 gather_blocks(host_k, host_v, pool_k, pool_v, blocks, slots, valid, 0, programs)
+            elif kernel == COPY_ENGINE:
+                engine_dst.copy_(engine_src, non_blocking=True)
             else:  # the previous fetch path: offsets precomputed, one launch for K and one for V
                 copy_rows(host_k, src_off, pool_k, dst_off, row, programs)
                 copy_rows(host_v, src_off, pool_v, dst_off, row, programs)
 
         pool_k.zero_()
-        gather_graph = capture(gather)
+        # A pinned host-to-device copy is issued as is (one cudaMemcpyAsync; not captured: the caching host
+        # allocator records an event per copy, which a capture may refuse).
+        gather_graph = SimpleNamespace(replay=gather) if kernel == COPY_ENGINE else capture(gather)
         alone = median([_elapsed(*timed(gather_graph, main)) for _ in range(20)])
         repeat = max(1, round(compute_alone / alone))
         beside, slowed = [], []
@@ -195,14 +210,21 @@ def gather_rows(programs_list: list[int | None], batch: int = 8, heads: int = 8,
             torch.cuda.synchronize()
             beside.append(_elapsed(*g) / repeat)
             slowed.append(_elapsed(*c))
-        rows.append({"programs": "all" if programs is None else programs, "kernel": kernel, "MB moved": nbytes / 1e6,
+        cap = "-" if kernel == COPY_ENGINE else "all" if programs is None else programs
+        rows.append({"programs": cap, "kernel": kernel, "MB moved": nbytes / 1e6,
                      "alone us": alone * 1e3, "alone GB/s": nbytes / (alone / 1e3) / 1e9,
                      "beside compute GB/s": nbytes / (median(beside) / 1e3) / 1e9,
                      "compute us alone": compute_alone * 1e3, "compute us beside gather": median(slowed) * 1e3,
                      "compute slowdown": median(slowed) / compute_alone})
+        if kernel == COPY_ENGINE:
+            assert torch.equal(engine_dst.cpu(), engine_src)
+            continue
         # correctness of what was timed (the last replay wrote the same rows)
         moved = pool_k.view(-1, row)[dst_off // row].cpu()
         torch.testing.assert_close(moved, host_k.view(-1, row)[src_off.cpu() // row])
+    engine = rows[-1]["alone GB/s"]
+    for entry in rows:
+        entry["% of copy engine (alone)"] = 100 * entry["alone GB/s"] / engine
     return rows
 
 
@@ -532,8 +554,8 @@ def main() -> None:
                   "block 32 x 128 bf16, by program cap (`OasisConfig.fetch_programs`); compute = 8 x (Llama-8B MLP at "
                   "batch 8 + sparse attention at budget 2048), on another stream:\n\n")
         table += markdown_table(gathers, ["programs", "kernel", "MB moved", "alone us", "alone GB/s",
-                                          "beside compute GB/s", "compute us alone", "compute us beside gather",
-                                          "compute slowdown"])
+                                          "% of copy engine (alone)", "beside compute GB/s", "compute us alone",
+                                          "compute us beside gather", "compute slowdown"])
     plans = plan_rows([tuple(int(x) for x in shape.split(",")) for shape in args.plan])
     if plans:
         table += ("\n\nSelection plan of one layer-step (`BlockTable.plan`: top-S, hit/miss, eviction order, capped "
