@@ -1049,6 +1049,8 @@ def test_floor_bench_combine_keeps_every_run_and_tags_its_rows(tmp_path, monkeyp
         ("floor_8x32512", "dense-graphed", 8, 12.0), ("floor_8x32512", "oasis-static", 8, 6.0),
         ("floor_1x130560", "dense-graphed", 1, 11.0), ("floor_1x130560", "oasis-static", 1, 5.5)]
     assert [r["env"]["command"] for r in payload["runs"]] == ["bench --points 8x32512", "bench --points 1x130560"]
+    assert payload["env"]["command"] == payload["command"] and payload["command"].startswith(
+        f"python -m eval.bench_floor --combine {out} ")
     table = out.with_suffix(".md").read_text()
     assert "`bench --points 8x32512`" in table and "`bench --points 1x130560`" in table
     monkeypatch.setattr(sys, "argv", ["bench_floor", "--combine", str(out)])
