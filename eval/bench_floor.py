@@ -495,7 +495,7 @@ def combine(out: Path, runs: list[Path]) -> str:
     table = f"{header}\n\n" + markdown_table(rows, [c for c in ["run", *COLUMNS] if any(c in r for r in rows)])
     command = f"python -m eval.bench_floor --combine {out} " + " ".join(str(run) for run in runs)
     # The environment of the first run (each run's own is under ``runs``), its command this one.
-    payload = {"env": payloads[0]["env"] | {"command": command}, "command": command,
+    payload = {"bench": "eval.bench_floor", "env": payloads[0]["env"] | {"command": command}, "command": command,
                "runs": [{"file": run.name, "env": p["env"], "hbm_bytes_per_s": p.get("hbm_bytes_per_s"),
                          "h2d_bytes_per_s": p.get("h2d_bytes_per_s"), "provenance": p.get("provenance")}
                         for run, p in zip(runs, payloads, strict=True)],

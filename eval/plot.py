@@ -228,13 +228,12 @@ def plot_recall(payload: dict, path: Path) -> Path | None:
                           f"{payload['args'].get('task') or 'pass-key'} prompts")
 
 
-def _floor_label(method: str) -> str:
-    """A legend label: the method without the decode-path note (and the real-rate row without its cap)."""
+def _floor_label(method: str, variant: str = "") -> str:
+    """A legend label: the method without the decode-path note (and the real-rate row without its cap, but with its
+    ``--variant`` name: two rows, two lines)."""
     method = method.replace(" (whole-step graph)", "").replace(" (+ mean-key summaries read once)", "")
     if "real-model" not in method:
         return method
-    # A --variant's row keeps its name (``[every2: selection_interval=2]`` -> ``[every2]``): two rows, two lines.
-    variant = method.rsplit(" [", 1)[1].split(":")[0].rstrip("]") if method.endswith("]") else ""
     return method.split(" (")[0] + (f" [{variant}]" if variant else "")
 
 
@@ -253,6 +252,7 @@ def plot_floor(payload: dict, path: Path) -> Path | None:
     batches = {c: {r["batch"] for r in rows if r["context"] == c} for c in set(contexts)}
     common = max(batches, key=lambda c: (len(batches[c]), batches[c] != {1}, contexts.count(c)))
     methods = list(dict.fromkeys(r["method"] for r in rows))
+    variants = {r["method"]: r.get("variant", "") for r in rows}
     colours = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
     panels = [(axes[0], "batch", lambda r: r["context"] == common, f"context {common}"),
@@ -263,7 +263,8 @@ def plot_floor(payload: dict, path: Path) -> Path | None:
             if not pts:
                 continue
             style = ":" if method.startswith("floor") else ("--" if method.startswith("dense") else "-")
-            ax.plot(*zip(*pts, strict=True), style, marker="o", color=colours[method], label=_floor_label(method))
+            ax.plot(*zip(*pts, strict=True), style, marker="o", color=colours[method],
+                    label=_floor_label(method, variants[method]))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel(x_key)
@@ -295,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
             print(plot_recall(payload, path))
         elif "new tokens/s" in first:
             print(plot_e2e(payload, path))
-        elif "hbm_bytes_per_s" in payload:  # eval.bench_floor
+        elif "hbm_bytes_per_s" in payload or payload.get("bench") == "eval.bench_floor":  # a run, or combined
             print(plot_floor(payload, path))
         elif "ms/step (median)" in first and "preset" in payload:
             print(plot_decode(payload, path))

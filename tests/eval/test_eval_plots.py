@@ -1051,6 +1051,12 @@ def test_floor_bench_combine_keeps_every_run_and_tags_its_rows(tmp_path, monkeyp
     assert [r["env"]["command"] for r in payload["runs"]] == ["bench --points 8x32512", "bench --points 1x130560"]
     assert payload["env"]["command"] == payload["command"] and payload["command"].startswith(
         f"python -m eval.bench_floor --combine {out} ")
+    from eval import plot
+
+    drawn = []
+    monkeypatch.setattr(plot, "plot_floor", lambda payload, path: drawn.append(path))
+    plot.main([str(out.with_suffix(".json"))])  # the combined file alone redraws as a floor figure
+    assert drawn == [out.with_suffix(".json")]
     table = out.with_suffix(".md").read_text()
     assert "`bench --points 8x32512`" in table and "`bench --points 1x130560`" in table
     monkeypatch.setattr(sys, "argv", ["bench_floor", "--combine", str(out)])
@@ -1064,5 +1070,6 @@ def test_floor_figure_gives_a_variant_row_a_legend_entry_of_its_own():
 
     base = "OasisKV lookahead @2048 (whole-step graph, torch.compile), real-model delta rate (5 blocks per (seq, head, "
     labels = {_floor_label(base + "layer-step))"),
-              _floor_label(base + "job, one per 2 steps)) [every2: selection_interval=2 max_fetch_blocks=6]")}
+              _floor_label(base + "job, one per 2 steps)) [every2: selection_interval=2 max_fetch_blocks=6]",
+                           "every2")}
     assert labels == {"OasisKV lookahead @2048", "OasisKV lookahead @2048 [every2]"}
