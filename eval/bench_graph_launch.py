@@ -5,8 +5,8 @@ whole-step graph does.
     python -m eval.bench_graph_launch --layers 32 --kernels 16 --out eval/results/graph_launch_h200
 
 Why: a synchronised OasisKV step (speculative decoding's rounds wait for every step) pays the host time of its
-replay on top of the GPU's, and in the floor runs that was 0.07-0.32 ms against 0.007-0.09 ms for dense graphed,
-whose graph is one stream. `DecodeGraph`'s own bookkeeping around the replay takes about 10 us on the CPU, and
+replay on top of the GPU's, and in the floor runs that was 0.065-0.32 ms against 0.007-0.09 ms for dense graphed,
+whose graph is one stream. `DecodeGraph`'s own bookkeeping around the forward takes about 10 us on the CPU, and
 joining the write-back branch once per step instead of after every layer did not change it (docs/results.md), so
 this separates the graph's shape from everything else.
 
@@ -62,7 +62,7 @@ def build(variant: str, layers: int, kernels: int, side_kernels: int,
     graph = torch.cuda.CUDAGraph()
     capture.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.graph(graph, stream=capture):
-        main = torch.cuda.current_stream(device)
+        compute = torch.cuda.current_stream(device)
         for _ in range(layers):
             for _ in range(kernels):
                 x.add_(1)
@@ -70,7 +70,7 @@ def build(variant: str, layers: int, kernels: int, side_kernels: int,
                 for _ in range(side_kernels):
                     y.add_(1)
                 continue
-            side.wait_stream(main)
+            side.wait_stream(compute)
             with torch.cuda.stream(side):
                 for _ in range(side_kernels):
                     y.add_(1)
@@ -79,11 +79,11 @@ def build(variant: str, layers: int, kernels: int, side_kernels: int,
                 with torch.cuda.stream(second):
                     z.add_(1)
             if join == "layer":
-                main.wait_stream(side)
+                compute.wait_stream(side)
         if join == "end":
-            main.wait_stream(side)
+            compute.wait_stream(side)
             if second is not None:
-                main.wait_stream(second)
+                compute.wait_stream(second)
     torch.cuda.current_stream(device).wait_stream(capture)
     return graph, (x, y, z)
 
@@ -133,13 +133,12 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda")
     built = {name: build(name, args.layers, args.kernels, args.side_kernels, device) for name in args.variants}
     rows = []
-    graphs = {name: graph for name, (graph, _) in built.items()}
     for round_ in range(args.rounds):
         order = args.variants if round_ % 2 == 0 else list(reversed(args.variants))
         for name in order:
             nodes = args.layers * (args.kernels + args.side_kernels + (VARIANTS[name][0] == "two"))
             rows.append({"variant": name, "round": round_, "kernel nodes": nodes,
-                         **measure(graphs[name], args.warmup, args.repeats)})
+                         **measure(built[name][0], args.warmup, args.repeats)})
     columns = ["variant", "round", "kernel nodes", "host us (replay call)", "synchronised us", "queued us"]
     table = (f"{env.get('gpu')}, torch {env['torch']}; {args.layers} layers x ({args.kernels} kernels + "
              f"{args.side_kernels} placed by the variant); medians of {args.repeats} replays after {args.warmup}; "

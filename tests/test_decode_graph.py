@@ -53,8 +53,8 @@ def _graph_path_matches(model, ids, mask, steps: int, fields: dict, inspect=None
             inspect(cache)
     assert torch.equal(out, ref)
     assert stats["fetched_blocks"] == ref_fetched
-    # Every row the steps wrote back reached the host store (the whole-step graph queues the write-backs beside
-    # the step and joins them once at its end); a compiled model's K/V differ from eager ones by rounding only.
+    # Every row the steps wrote back reached the host store (the whole-step graph writes them on a side stream);
+    # a compiled model's K/V differ from eager ones by rounding only.
     for rows_ref, rows in zip(ref_host, host, strict=True):
         torch.testing.assert_close(rows, rows_ref)
     return stats
