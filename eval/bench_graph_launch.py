@@ -30,12 +30,11 @@ Per variant: the host microseconds ``graph.replay()`` takes after a device synch
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
 
-from eval._common import environment, finish, markdown_table, median
+from eval._common import environment, finish, markdown_table, median, pipelined_ms, time_steps
 from oasis_hf.cache.prefetch import background_stream
 
 #: Variant name -> (where the side kernels go, the side stream's priority, where its branch joins).
@@ -90,25 +89,11 @@ def build(variant: str, layers: int, kernels: int, side_kernels: int,
 
 def measure(graph: torch.cuda.CUDAGraph, warmup: int, repeats: int) -> dict:
     """Host us of a replay after a synchronisation, the synchronised replay, and a replay queued back to back."""
-    for _ in range(warmup):
-        graph.replay()
-    torch.cuda.synchronize()
-    host, synced = [], []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        graph.replay()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        host.append((t1 - t0) * 1e6)
-        synced.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        graph.replay()
-    torch.cuda.synchronize()
-    queued = (time.perf_counter() - t0) * 1e6 / repeats
-    return {"host us (replay call)": median(host), "synchronised us": median(synced), "queued us": queued}
+    host_ms: list[float] = []
+    synced_ms = time_steps(graph.replay, warmup, repeats, host_ms)
+    queued_ms = pipelined_ms(graph.replay, repeats)
+    return {"host us (replay call)": median(host_ms) * 1e3, "synchronised us": median(synced_ms) * 1e3,
+            "queued us": queued_ms * 1e3}
 
 
 def main(argv: list[str] | None = None) -> None:
