@@ -18,7 +18,12 @@ Rules (GPU bytes per key in brackets, at blocks of 16 and 16-bit keys):
   (Quest's bounds, 2/16), ``mean+minmax`` (3/16);
 - ``minmax + b-bit keys`` ((2 + b)/16): every key quantized to ``b`` bits per channel inside its block's [lo, hi]
   (the bounds summary as the range, as KIVI quantizes keys per channel), each token's logit from the dequantized
-  key, and a block's score the softmax share of its tokens, summed over the group's rows.
+  key, and a block's score the softmax share of its tokens, summed over the group's rows;
+- candidates the library does not have (``--sub-blocks``): ``mean of n sub-blocks`` (n/16), the mean key of each
+  of a block's ``n`` equal parts, the block's logit the log-sum-exp of its parts' logits (the block is still the
+  unit that is selected and moved); ``mean + variance`` (2/16), the block's logit the log of the expected
+  ``exp(scale * q . k)`` if its keys were independent Gaussians per channel: ``scale * q . mean + scale**2 / 2 *
+  sum_c q_c**2 var_c``.
 """
 
 from __future__ import annotations
@@ -45,20 +50,26 @@ PROBE = "oasis_rank_probe"  # the attention function's name in transformers' reg
 KINDS = [kind for kind in SUMMARY_LAYOUT if kind != "quantized"]
 
 
-def rule_names(bits: list[int], block_size: int) -> list[str]:
+def rule_names(bits: list[int], block_size: int, sub_blocks: list[int] = ()) -> list[str]:
     """Row labels, each with the GPU bytes per key that the rule keeps (16-bit keys)."""
     names = [f"{kind} ({len(SUMMARY_LAYOUT[kind])}/{block_size} of the key bytes)" for kind in KINDS]
-    return names + [f"minmax + {b}-bit keys ({2 * 16 / block_size + b:g}/16 of the key bytes)" for b in bits]
+    names += [f"minmax + {b}-bit keys ({2 * 16 / block_size + b:g}/16 of the key bytes)" for b in bits]
+    names += [f"candidate: mean of {n} sub-blocks ({n}/{block_size} of the key bytes)" for n in sub_blocks]
+    return names + [f"candidate: mean + variance, Gaussian (2/{block_size} of the key bytes)"]
 
 
 def block_scores(query: torch.Tensor, keys: torch.Tensor, scale: float, block_size: int, sink_blocks: int,
-                 recent_blocks: int, bits: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 recent_blocks: int, bits: list[int], sub_blocks: list[int] = ()
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Exact mass and every rule's scores of the choosable blocks for one position.
 
     query : (H_kv, G, D) the position's query rows per KV head; keys : (H_kv, N, D), the position last (N - 1).
+    `sub_blocks`: part counts of the ``mean of n sub-blocks`` candidates (each must divide `block_size`).
     Returns ``(mass, scores)``: mass (H_kv, C) the exact softmax mass per choosable block (rows summed), scores
     {label: (H_kv, C)} in `rule_names` order; C = complete blocks minus sinks and recent ones (may be <= 0).
     """
+    if any(n < 1 or block_size % n for n in sub_blocks):
+        raise ValueError(f"sub_blocks {list(sub_blocks)}: each count must divide the block size {block_size}")
     num_kv_heads, length, head_dim = keys.shape
     complete = length // block_size
     first, last = sink_blocks, complete - recent_blocks
@@ -69,7 +80,7 @@ def block_scores(query: torch.Tensor, keys: torch.Tensor, scale: float, block_si
                       block_size, every)[0, :, :complete]  # the exact mass per block, as the library's oracle has it
     blocks = k[:, : complete * block_size].reshape(1, num_kv_heads, complete, block_size, head_dim)
     ok = torch.ones(1, 1, complete, block_size, dtype=torch.bool)
-    names = rule_names(bits, block_size)
+    names = rule_names(bits, block_size, sub_blocks)
     scores = {}
     for kind, name in zip(KINDS, names[: len(KINDS)], strict=True):
         # The view ends after the last complete block, so none of them is forced as a recent block.
@@ -81,12 +92,21 @@ def block_scores(query: torch.Tensor, keys: torch.Tensor, scale: float, block_si
         )[0]  # fmt: skip
     lo, hi = blocks[0].amin(2, keepdim=True), blocks[0].amax(2, keepdim=True)
     width = (hi - lo).clamp_min(torch.finfo(torch.float32).tiny)
-    for b, name in zip(bits, names[len(KINDS) :], strict=True):
+    for b, name in zip(bits, names[len(KINDS) : len(KINDS) + len(bits)], strict=True):
         levels = 2**b - 1
         dequantized = lo + ((blocks[0] - lo) / width * levels).round() / levels * width
         logits = torch.einsum("hgd,hcbd->hgcb", q, dequantized) * scale
         shares = torch.softmax(logits.reshape(num_kv_heads, q.shape[1], -1), dim=-1)
         scores[name] = shares.reshape(num_kv_heads, q.shape[1], complete, block_size).sum((1, 3))
+    candidates = names[len(KINDS) + len(bits) :]
+    for n, name in zip(sub_blocks, candidates[:-1], strict=True):
+        parts = blocks[0].reshape(num_kv_heads, complete, n, block_size // n, head_dim).mean(3)  # (H, C, n, D)
+        logits = torch.einsum("hgd,hcnd->hgcn", q, parts).mul(scale).logsumexp(-1)
+        scores[name] = logits.softmax(-1).sum(1)
+    mean, var = blocks[0].mean(2), blocks[0].var(2, unbiased=False)  # (H, C, D)
+    logits = (torch.einsum("hgd,hcd->hgc", q, mean) * scale
+              + 0.5 * scale**2 * torch.einsum("hgd,hcd->hgc", q * q, var))
+    scores[candidates[-1]] = logits.softmax(-1).sum(1)
     return mass[:, first:last], {name: s[:, first:last] for name, s in scores.items()}
 
 
@@ -116,7 +136,7 @@ class Probe:
         for pos in range(self.first, query.shape[2]):
             rows = query[0, :, pos].reshape(num_kv_heads, -1, query.shape[-1])
             mass, scores = block_scores(rows, key[0, :, : pos + 1], module.scaling, a.block_size, a.sink_blocks,
-                                        a.recent_blocks, a.bits)
+                                        a.recent_blocks, a.bits, a.sub_blocks)
             if mass.shape[-1] < 2 * a.selected:
                 continue  # too few choosable blocks for the selection to mean anything
             for name, score in scores.items():
@@ -141,11 +161,15 @@ def main() -> None:
     parser.add_argument("--sink-blocks", type=int, default=1)
     parser.add_argument("--recent-blocks", type=int, default=4)
     parser.add_argument("--bits", type=int, nargs="*", default=[1, 2], help="key code widths to try")
+    parser.add_argument("--sub-blocks", type=int, nargs="*", default=[2, 4],
+                        help="part counts of the 'mean of n sub-blocks' candidates (each divides --block-size)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.selected < 1 or args.block_size < 1 or min(args.bits, default=1) < 1:
         parser.error("--selected, --block-size and --bits take positive integers")
+    if any(n < 1 or args.block_size % n for n in args.sub_blocks):
+        parser.error(f"--sub-blocks {args.sub_blocks}: each count must divide --block-size {args.block_size}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from transformers import AttentionInterface
 

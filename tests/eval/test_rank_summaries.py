@@ -10,17 +10,19 @@ from eval import rank_summaries
 from tests._factories import tiny_model, tiny_tokenizer
 
 
-def scores_for(block_size: int, bits=(2,), sink=0, recent=0, length=64, seed=0):
+def scores_for(block_size: int, bits=(2,), sink=0, recent=0, length=64, seed=0, sub_blocks=()):
     gen = torch.Generator().manual_seed(seed)
     query = torch.randn(2, 3, 8, generator=gen)  # 2 KV heads, groups of 3 rows
     keys = torch.randn(2, length, 8, generator=gen)
-    return query, keys, rank_summaries.block_scores(query, keys, 0.5, block_size, sink, recent, list(bits))
+    return query, keys, rank_summaries.block_scores(query, keys, 0.5, block_size, sink, recent, list(bits),
+                                                    list(sub_blocks))
 
 
 def test_rules_with_exact_keys_rank_as_the_oracle():
-    # Blocks of one token: a block's mean key and its bounds are the key (Quest's bound is then the logit), and its
-    # codes dequantize to it exactly, so every rule's share is the exact mass.
-    _, _, (mass, scores) = scores_for(block_size=1, bits=(3,))
+    # Blocks of one token: a block's mean key and its bounds are the key (Quest's bound is then the logit), its
+    # codes dequantize to it exactly, its one sub-block is itself and its variance is zero, so every rule's share is
+    # the exact mass.
+    _, _, (mass, scores) = scores_for(block_size=1, bits=(3,), sub_blocks=(1,))
     for name, score in scores.items():
         assert rank_summaries.quality(mass, score, 8) == pytest.approx((1.0, 1.0)), name
     assert rank_summaries.quality(mass, -mass, 8)[0] == 0.0  # the reverse order picks none of the oracle's 8 of 64
@@ -37,6 +39,9 @@ def test_summary_rules_are_the_softmax_shares_the_library_scores(recent):
     mean_share, bound_share = mean_logits.softmax(-1).sum(1), bound_logits.softmax(-1).sum(1)
     names = rank_summaries.rule_names([2], 4)
     choosable = slice(1, 16 - recent)
+    var = blocks.var(2, unbiased=False)
+    gauss = mean_logits + 0.5 * 0.25 * torch.einsum("hgd,hcd->hgc", query**2, var)
+    torch.testing.assert_close(scores[names[-1]], gauss.softmax(-1).sum(1)[:, choosable])
     torch.testing.assert_close(scores[names[0]], mean_share[:, choosable])
     torch.testing.assert_close(scores[names[1]], bound_share[:, choosable])
     torch.testing.assert_close(scores[names[2]], (0.5 * (mean_share + bound_share))[:, choosable])
@@ -45,10 +50,21 @@ def test_summary_rules_are_the_softmax_shares_the_library_scores(recent):
     assert set(scores) == set(names) and mass.shape == (2, 15 - recent)
 
 
+def test_one_token_sub_blocks_are_the_exact_mass_and_counts_must_divide_the_block():
+    # A block's parts of one token each: the log-sum-exp of their logits is the log of the block's exact mass (up to
+    # the softmax normaliser shared by every block), so the rule picks the oracle's blocks.
+    _, _, (mass, scores) = scores_for(block_size=8, length=512, seed=5, sub_blocks=(8, 2))
+    names = rank_summaries.rule_names([2], 8, [8, 2])
+    assert rank_summaries.quality(mass, scores[names[-3]], 8) == pytest.approx((1.0, 1.0))
+    assert rank_summaries.quality(mass, scores[names[-2]], 8)[1] <= 1.0 + 1e-6
+    with pytest.raises(ValueError, match="divide the block size 8"):
+        scores_for(block_size=8, sub_blocks=(3,))
+
+
 def test_more_bits_rank_closer_to_the_oracle():
     _, _, (mass, scores) = scores_for(block_size=8, bits=(1, 8), length=512, seed=3)
     names = rank_summaries.rule_names([1, 8], 8)
-    one_bit, eight_bit = (rank_summaries.quality(mass, scores[n], 8) for n in names[-2:])
+    one_bit, eight_bit = (rank_summaries.quality(mass, scores[n], 8) for n in names[3:5])
     assert eight_bit[0] > one_bit[0] and eight_bit[1] >= 0.99
 
 
@@ -63,7 +79,7 @@ def test_the_script_measures_a_tiny_model_end_to_end(tmp_path, monkeypatch):
                                       "--out", str(out)])
     rank_summaries.main()
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert [r["rule"] for r in rows] == rank_summaries.rule_names([2], 4)
+    assert [r["rule"] for r in rows] == rank_summaries.rule_names([2], 4, [2, 4])
     for row in rows:  # 3 generated positions x 2 layers
         assert row["positions x layers"] == 6
         assert 0.0 <= row["top-3 recall"] <= 1.0 and 0.0 < row["mass of its picks / the oracle's"] <= 1.0 + 1e-6
