@@ -14,8 +14,9 @@ of ``BS`` tokens, worked by planes: the dims whose codes share a bit position of
 The blocks of one (sequence, KV head) are split over several programs, so that a batch-1 decode at 128k tokens
 (4,097 blocks, 8 KV heads) still spreads over the GPU: the first launch (``_stats``) computes each split's running
 max and sum of every row's softmax, the second (``_scores``) merges them into the normaliser, recomputes its
-split's logits and writes the final scores with the rules and the memory applied. The sources without summaries
-(``recency``, ``raw``) need only the second launch.
+split's logits and writes the final scores with the rules and the memory applied. Token scoring does not compute
+its logits twice: ``_stats`` also keeps every block's maximum and sum per row, and ``_scores`` rescales those. The
+sources without summaries (``recency``, ``raw``) need only the second launch.
 
 Twin: `score_blocks_ref` (``oasis_hf.kernels.ref``), which states the rules.
 """
@@ -39,6 +40,9 @@ except ImportError:  # pragma: no cover
 SOURCES = ("summaries", "recency", "raw")
 #: Blocks per tile of the walk over the summaries.
 _BLOCK_N = 64
+#: Programs per SM of the token path (``quantized``): a tile of its walk is a chain of dependent loads, dequantizing
+#: and dots that one program cannot overlap, so it needs more programs than the block path's two.
+TOKEN_PROGRAMS_PER_SM = 2
 
 
 if triton is not None:
@@ -166,7 +170,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["num_cap", "per_split"])
     def _stats_kernel(
-        Q, S, KV_START, START, M_PART, L_PART, CODES,
+        Q, S, KV_START, START, M_PART, L_PART, CODES, BLK_M, BLK_S,
         num_cap, per_split, scale,
         stride_qb, stride_qh, stride_qt, stride_sn, stride_sb, stride_sh, stride_cb, stride_ch,
         H_KV: tl.constexpr, GROUP: tl.constexpr, NUM_ROWS_T: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -195,11 +199,27 @@ if triton is not None:
         l0 = tl.zeros([BLOCK_M], tl.float32)
         m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l1 = tl.zeros([BLOCK_M], tl.float32)
+        rows = tl.arange(0, BLOCK_M)
         for n0 in range(lo_blk, hi_blk, STEP):
             if TOKENS:
+                # Every block's (max, sum of exp relative to it) per row, kept for `_scores` (which then reads these
+                # instead of the codes), and the split's running softmax statistics from them.
                 x, allowed = _token_logits(q0, q1, q2, q3, row_ok, S, CODES, base, code_base, n0, hi_blk, first,
                                            num_blocks, kv0, view_start + NUM_TOKENS, stride_sn, scale, LO_AT, HI_AT,
                                            HEAD_DIM, BLOCK_J, BLOCK_SIZE, STEP, BITS, PER_BYTE, DOT_FP32, IEEE)
+                x3 = tl.reshape(x, (BLOCK_M, STEP, BLOCK_SIZE))
+                bmax = tl.max(x3, axis=2)  # (BLOCK_M, STEP); -inf where no token of the block is allowed
+                bsafe = tl.where(bmax == float("-inf"), 0.0, bmax)
+                bsum = tl.sum(tl.exp(x3 - bsafe[:, :, None]), axis=2)
+                bcols = n0 + tl.arange(0, STEP)
+                boffs = (bh.to(tl.int64) * num_cap + bcols)[None, :] * BLOCK_M + rows[:, None]
+                bmask = (bcols < hi_blk)[None, :] & (rows < BLOCK_M)[:, None]
+                tl.store(BLK_M + boffs, bmax, mask=bmask)
+                tl.store(BLK_S + boffs, bsum, mask=bmask)
+                m_new = tl.maximum(m0, tl.max(bmax, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                l0 = l0 * tl.exp(m0 - m_safe) + tl.sum(bsum * tl.exp(bmax - m_safe[:, None]), axis=1)
+                m0 = m_new
             else:
                 cols = n0 + tl.arange(0, BLOCK_N)
                 ok = (cols < hi_blk) & (cols >= first)
@@ -207,10 +227,10 @@ if triton is not None:
                 x = tl.where(allowed, _logits(q, q_pos, q_neg, S, base, cols, ok, dims, dim_ok, stride_sn, scale,
                                               FIRST_BOUND, MEAN_AT, LO_AT, HI_AT, HEAD_DIM, DOT_FP32, IEEE),
                              float("-inf"))
-            m_new = tl.maximum(m0, tl.max(x, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l0 = l0 * tl.exp(m0 - m_safe) + tl.sum(tl.where(allowed, tl.exp(x - m_safe[:, None]), 0.0), axis=1)
-            m0 = m_new
+                m_new = tl.maximum(m0, tl.max(x, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                l0 = l0 * tl.exp(m0 - m_safe) + tl.sum(tl.where(allowed, tl.exp(x - m_safe[:, None]), 0.0), axis=1)
+                m0 = m_new
             if CHANNELS == 2:
                 x = tl.where(allowed, _logits(q, q_pos, q_neg, S, base, cols, ok, dims, dim_ok, stride_sn, scale,
                                               True, MEAN_AT, LO_AT, HI_AT, HEAD_DIM, DOT_FP32, IEEE), float("-inf"))
@@ -218,7 +238,6 @@ if triton is not None:
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 l1 = l1 * tl.exp(m1 - m_safe) + tl.sum(tl.where(allowed, tl.exp(x - m_safe[:, None]), 0.0), axis=1)
                 m1 = m_new
-        rows = tl.arange(0, BLOCK_M)
         part = (bh * NUM_SPLITS + split) * 2 * BLOCK_M
         tl.store(M_PART + part + rows, m0)
         tl.store(L_PART + part + rows, l0)
@@ -243,7 +262,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["num_cap", "per_split", "sink_blocks", "recent_blocks"])
     def _scores_kernel(
-        Q, S, RAW, MEM, OUT, KV_START, START, M_PART, L_PART, CODES,
+        Q, S, RAW, MEM, OUT, KV_START, START, M_PART, L_PART, BLK_M, BLK_S,
         num_cap, per_split, scale, decay, sink_blocks, recent_blocks,
         stride_qb, stride_qh, stride_qt, stride_sn, stride_sb, stride_sh, stride_cb, stride_ch,
         H_KV: tl.constexpr, GROUP: tl.constexpr, NUM_ROWS_T: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -252,7 +271,7 @@ if triton is not None:
         MEAN_AT: tl.constexpr, LO_AT: tl.constexpr, HI_AT: tl.constexpr, START_OFFSET: tl.constexpr,
         NUM_TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr, MEMORY: tl.constexpr, MEMORY_WRITE: tl.constexpr,
         DOT_FP32: tl.constexpr, IEEE: tl.constexpr, TOKENS: tl.constexpr, STEP: tl.constexpr, BITS: tl.constexpr,
-        PER_BYTE: tl.constexpr, BLOCK_J: tl.constexpr,
+        PER_BYTE: tl.constexpr, BLOCK_J: tl.constexpr, SCORE_STEP: tl.constexpr,
     ):  # fmt: skip
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -267,24 +286,20 @@ if triton is not None:
             q, q_pos, q_neg, row_ok, dims, dim_ok = _query_tiles(Q, b, h, stride_qb, stride_qh, stride_qt, GROUP,
                                                                  NUM_ROWS_T, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_FP32)
             base = b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
-            code_base = b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
-            kv0 = tl.load(KV_START + b).to(tl.int64)
-            if TOKENS:  # the query split into the four planes of the codes, once per program
-                q0, q1, q2, q3 = _query_planes(Q, b, h, stride_qb, stride_qh, stride_qt, GROUP, NUM_ROWS_T,
-                                               HEAD_DIM, BLOCK_J, BLOCK_M, PER_BYTE, DOT_FP32)
             m0, inv0 = _normaliser(M_PART, L_PART, bh, 0, BLOCK_M, NUM_SPLITS, SPLITS_P2)
             if CHANNELS == 2:
                 m1, inv1 = _normaliser(M_PART, L_PART, bh, 1, BLOCK_M, NUM_SPLITS, SPLITS_P2)
-        for n0 in range(lo_blk, hi_blk, STEP):
-            cols = n0 + tl.arange(0, STEP)
+        for n0 in range(lo_blk, hi_blk, SCORE_STEP):
+            cols = n0 + tl.arange(0, SCORE_STEP)
             in_cap = cols < hi_blk
             ok = in_cap & (cols >= first) & (cols < num_blocks)
-            if SOURCE == 0 and TOKENS:
-                x, allowed = _token_logits(q0, q1, q2, q3, row_ok, S, CODES, base, code_base, n0, hi_blk, first,
-                                           num_blocks, kv0, view_start + NUM_TOKENS, stride_sn, scale, LO_AT, HI_AT,
-                                           HEAD_DIM, BLOCK_J, BLOCK_SIZE, STEP, BITS, PER_BYTE, DOT_FP32, IEEE)
-                shares = tl.sum(tl.where(allowed, tl.exp(x - m0[:, None]) * inv0[:, None], 0.0), axis=0)
-                score = tl.sum(tl.reshape(shares, (STEP, BLOCK_SIZE)), axis=1)
+            if SOURCE == 0 and TOKENS:  # from the blocks' statistics `_stats` kept: no code is read twice
+                rows = tl.arange(0, BLOCK_M)
+                live = row_ok[:, None] & ok[None, :]
+                boffs = (bh.to(tl.int64) * num_cap + cols)[None, :] * BLOCK_M + rows[:, None]
+                bmax = tl.load(BLK_M + boffs, mask=live, other=float("-inf"))
+                bsum = tl.load(BLK_S + boffs, mask=live, other=0.0)
+                score = tl.sum(tl.where(live, tl.exp(bmax - m0[:, None]) * bsum * inv0[:, None], 0.0), axis=0)
             elif SOURCE == 0:
                 allowed = row_ok[:, None] & ok[None, :]
                 x = _logits(q, q_pos, q_neg, S, base, cols, ok, dims, dim_ok, stride_sn, scale, FIRST_BOUND, MEAN_AT,
@@ -309,10 +324,10 @@ if triton is not None:
             tl.store(OUT + row + cols, out, mask=in_cap)
 
 
-def _splits(batch_heads: int, num_cap: int, device: torch.device) -> tuple[int, int]:
-    """(splits, blocks per split) of a table of `num_cap` blocks: about two programs per SM on the GPU."""
+def _splits(batch_heads: int, num_cap: int, device: torch.device, per_sm: int = 2) -> tuple[int, int]:
+    """(splits, blocks per split) of a table of `num_cap` blocks: about `per_sm` programs per SM on the GPU."""
     tiles = max(1, math.ceil(num_cap / _BLOCK_N))
-    target = min(3, tiles) if device.type != "cuda" else math.ceil(2 * sm_count(device) / batch_heads)
+    target = min(3, tiles) if device.type != "cuda" else math.ceil(per_sm * sm_count(device) / batch_heads)
     splits = max(1, min(tiles, target))
     per_split = math.ceil(tiles / splits) * _BLOCK_N
     return math.ceil(num_cap / per_split), per_split
@@ -378,11 +393,15 @@ def score_blocks(
                          f"NB_cap, BS, D // {CODES_PER_BYTE}), got {None if codes is None else tuple(codes.shape)}")
     dev = summaries.device
     group = num_q_heads // num_kv_heads
-    splits, per_split = _splits(batch * num_kv_heads, num_cap, dev)
+    splits, per_split = _splits(batch * num_kv_heads, num_cap, dev, TOKEN_PROGRAMS_PER_SM if tokens else 2)
     block_m = max(16, triton.next_power_of_2(group * num_rows_t))
     out = torch.empty(batch, num_kv_heads, num_cap, device=dev, dtype=torch.float32)
     m_part = torch.empty(batch * num_kv_heads * splits * 2 * block_m, device=dev, dtype=torch.float32)
     l_part = torch.empty_like(m_part)
+    # Token scoring: every block's (max, sum) per query row, from `_stats` to `_scores` (4 * 2 * BLOCK_M bytes per
+    # block: 128 at one token and a group of 4, against the 1 KiB of codes per block of 32 it saves reading again).
+    blk_m = torch.empty(batch * num_kv_heads * num_cap * block_m if tokens else 1, device=dev, dtype=torch.float32)
+    blk_s = torch.empty_like(blk_m)
     kv_start = kv_start.to(torch.int64)
     channels = 2 if kind == "mean+minmax" else 1
     common = dict(
@@ -400,12 +419,13 @@ def score_blocks(
     code_arg = codes if tokens else summaries
     grid = (batch * num_kv_heads, splits)
     if source == "summaries":
-        _stats_kernel[grid](query, summaries, kv_start, start, m_part, l_part, code_arg, num_cap, per_split, scale,
-                            *strides, **common)
+        _stats_kernel[grid](query, summaries, kv_start, start, m_part, l_part, code_arg, blk_m, blk_s, num_cap,
+                            per_split, scale, *strides, **common)
     _scores_kernel[grid](
         query, summaries, raw if raw is not None else out, memory if memory is not None else out, out, kv_start,
-        start, m_part, l_part, code_arg, num_cap, per_split, scale, float(decay), sink_blocks, recent_blocks, *strides,
+        start, m_part, l_part, blk_m, blk_s, num_cap, per_split, scale, float(decay), sink_blocks, recent_blocks, *strides,
         SPLITS_P2=max(2, triton.next_power_of_2(splits)), SOURCE=SOURCES.index(source), MEMORY=decay > 0,
+        SCORE_STEP=_BLOCK_N,
         MEMORY_WRITE=memory_write, **common,
     )  # fmt: skip
     return out
