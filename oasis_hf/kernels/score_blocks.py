@@ -423,7 +423,8 @@ def score_blocks(
                             per_split, scale, *strides, **common)
     _scores_kernel[grid](
         query, summaries, raw if raw is not None else out, memory if memory is not None else out, out, kv_start,
-        start, m_part, l_part, blk_m, blk_s, num_cap, per_split, scale, float(decay), sink_blocks, recent_blocks, *strides,
+        start, m_part, l_part, blk_m, blk_s, num_cap, per_split, scale, float(decay), sink_blocks, recent_blocks,
+        *strides,
         SPLITS_P2=max(2, triton.next_power_of_2(splits)), SOURCE=SOURCES.index(source), MEMORY=decay > 0,
         SCORE_STEP=_BLOCK_N,
         MEMORY_WRITE=memory_write, **common,
