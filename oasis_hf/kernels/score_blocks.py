@@ -42,7 +42,9 @@ SOURCES = ("summaries", "recency", "raw")
 _BLOCK_N = 64
 #: Programs per SM of the token path (``quantized``): a tile of its walk is a chain of dependent loads, dequantizing
 #: and dots that one program cannot overlap, so it needs more programs than the block path's two.
-TOKEN_PROGRAMS_PER_SM = 2
+TOKEN_PROGRAMS_PER_SM = 8
+#: Tokens per tile of the token path's walk (``STEP = TOKEN_TILE // BS`` blocks, at least 2).
+TOKEN_TILE = 128
 
 
 if triton is not None:
@@ -411,7 +413,7 @@ def score_blocks(
         LO_AT=layout.index("lo") if "lo" in layout else 0, HI_AT=layout.index("hi") if "hi" in layout else 0,
         START_OFFSET=start_offset, NUM_TOKENS=num_tokens, BLOCK_SIZE=block_size,
         DOT_FP32=INTERPRET or query.dtype == torch.float32, IEEE=not INTERPRET and query.dtype == torch.float32,
-        TOKENS=tokens, STEP=max(2, _BLOCK_N // block_size) if tokens else _BLOCK_N, BITS=CODE_BITS,
+        TOKENS=tokens, STEP=max(2, TOKEN_TILE // block_size) if tokens else _BLOCK_N, BITS=CODE_BITS,
         PER_BYTE=CODES_PER_BYTE, BLOCK_J=max(16, triton.next_power_of_2(head_dim // CODES_PER_BYTE)),
     )  # fmt: skip
     strides = (query.stride(0), query.stride(1), query.stride(2), summaries.stride(0), summaries.stride(1),
