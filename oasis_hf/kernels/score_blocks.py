@@ -402,8 +402,8 @@ def score_blocks(
     l_part = torch.empty_like(m_part)
     # Token scoring: every block's (max, sum) per query row, from `_stats` to `_scores` (4 * 2 * BLOCK_M bytes per
     # block: 128 at one token and a group of 4, against the 1 KiB of codes per block of 32 it saves reading again).
-    blk_m = torch.empty(batch * num_kv_heads * num_cap * block_m if tokens else 1, device=dev, dtype=torch.float32)
-    blk_s = torch.empty_like(blk_m)
+    blk_m = torch.empty(batch * num_kv_heads * num_cap * block_m, device=dev, dtype=torch.float32) if tokens else m_part
+    blk_s = torch.empty_like(blk_m) if tokens else l_part  # (the block path never touches them)
     kv_start = kv_start.to(torch.int64)
     channels = 2 if kind == "mean+minmax" else 1
     common = dict(
