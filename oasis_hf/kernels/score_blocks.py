@@ -215,7 +215,7 @@ if triton is not None:
                 bsum = tl.sum(tl.exp(x3 - bsafe[:, :, None]), axis=2)
                 bcols = n0 + tl.arange(0, STEP)
                 boffs = (bh.to(tl.int64) * num_cap + bcols)[None, :] * BLOCK_M + rows[:, None]
-                bmask = (bcols < hi_blk)[None, :] & (rows < BLOCK_M)[:, None]
+                bmask = row_ok[:, None] & (bcols < hi_blk)[None, :]  # `_scores` reads the real rows only
                 tl.store(BLK_M + boffs, bmax, mask=bmask)
                 tl.store(BLK_S + boffs, bsum, mask=bmask)
                 m_new = tl.maximum(m0, tl.max(bmax, axis=1))
@@ -266,14 +266,13 @@ if triton is not None:
     def _scores_kernel(
         Q, S, RAW, MEM, OUT, KV_START, START, M_PART, L_PART, BLK_M, BLK_S,
         num_cap, per_split, scale, decay, sink_blocks, recent_blocks,
-        stride_qb, stride_qh, stride_qt, stride_sn, stride_sb, stride_sh, stride_cb, stride_ch,
+        stride_qb, stride_qh, stride_qt, stride_sn, stride_sb, stride_sh,
         H_KV: tl.constexpr, GROUP: tl.constexpr, NUM_ROWS_T: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
         SPLITS_P2: tl.constexpr, SOURCE: tl.constexpr, CHANNELS: tl.constexpr, FIRST_BOUND: tl.constexpr,
         MEAN_AT: tl.constexpr, LO_AT: tl.constexpr, HI_AT: tl.constexpr, START_OFFSET: tl.constexpr,
         NUM_TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr, MEMORY: tl.constexpr, MEMORY_WRITE: tl.constexpr,
-        DOT_FP32: tl.constexpr, IEEE: tl.constexpr, TOKENS: tl.constexpr, STEP: tl.constexpr, BITS: tl.constexpr,
-        PER_BYTE: tl.constexpr, BLOCK_J: tl.constexpr, SCORE_STEP: tl.constexpr,
+        DOT_FP32: tl.constexpr, IEEE: tl.constexpr, TOKENS: tl.constexpr,
     ):  # fmt: skip
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -291,8 +290,8 @@ if triton is not None:
             m0, inv0 = _normaliser(M_PART, L_PART, bh, 0, BLOCK_M, NUM_SPLITS, SPLITS_P2)
             if CHANNELS == 2:
                 m1, inv1 = _normaliser(M_PART, L_PART, bh, 1, BLOCK_M, NUM_SPLITS, SPLITS_P2)
-        for n0 in range(lo_blk, hi_blk, SCORE_STEP):
-            cols = n0 + tl.arange(0, SCORE_STEP)
+        for n0 in range(lo_blk, hi_blk, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
             in_cap = cols < hi_blk
             ok = in_cap & (cols >= first) & (cols < num_blocks)
             if SOURCE == 0 and TOKENS:  # from the blocks' statistics `_stats` kept: no code is read twice
@@ -413,22 +412,22 @@ def score_blocks(
         LO_AT=layout.index("lo") if "lo" in layout else 0, HI_AT=layout.index("hi") if "hi" in layout else 0,
         START_OFFSET=start_offset, NUM_TOKENS=num_tokens, BLOCK_SIZE=block_size,
         DOT_FP32=INTERPRET or query.dtype == torch.float32, IEEE=not INTERPRET and query.dtype == torch.float32,
-        TOKENS=tokens, STEP=max(2, TOKEN_TILE // block_size) if tokens else _BLOCK_N, BITS=CODE_BITS,
-        PER_BYTE=CODES_PER_BYTE, BLOCK_J=max(16, triton.next_power_of_2(head_dim // CODES_PER_BYTE)),
+        TOKENS=tokens,
     )  # fmt: skip
     strides = (query.stride(0), query.stride(1), query.stride(2), summaries.stride(0), summaries.stride(1),
-               summaries.stride(2), codes.stride(0) if tokens else 0, codes.stride(1) if tokens else 0)
-    code_arg = codes if tokens else summaries
+               summaries.stride(2))
     grid = (batch * num_kv_heads, splits)
     if source == "summaries":
-        _stats_kernel[grid](query, summaries, kv_start, start, m_part, l_part, code_arg, blk_m, blk_s, num_cap,
-                            per_split, scale, *strides, **common)
+        _stats_kernel[grid](
+            query, summaries, kv_start, start, m_part, l_part, codes if tokens else summaries, blk_m, blk_s, num_cap,
+            per_split, scale, *strides, codes.stride(0) if tokens else 0, codes.stride(1) if tokens else 0,
+            STEP=max(2, TOKEN_TILE // block_size) if tokens else _BLOCK_N, BITS=CODE_BITS, PER_BYTE=CODES_PER_BYTE,
+            BLOCK_J=max(16, triton.next_power_of_2(head_dim // CODES_PER_BYTE)), **common,
+        )  # fmt: skip
     _scores_kernel[grid](
         query, summaries, raw if raw is not None else out, memory if memory is not None else out, out, kv_start,
         start, m_part, l_part, blk_m, blk_s, num_cap, per_split, scale, float(decay), sink_blocks, recent_blocks,
-        *strides,
-        SPLITS_P2=max(2, triton.next_power_of_2(splits)), SOURCE=SOURCES.index(source), MEMORY=decay > 0,
-        SCORE_STEP=_BLOCK_N,
+        *strides, SPLITS_P2=max(2, triton.next_power_of_2(splits)), SOURCE=SOURCES.index(source), MEMORY=decay > 0,
         MEMORY_WRITE=memory_write, **common,
     )  # fmt: skip
     return out
