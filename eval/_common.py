@@ -55,21 +55,29 @@ def code_identity() -> dict:
     per process: every benchmark's `main` calls it before any work, so sources edited during a long run (another
     commit, a checkout) do not relabel what was measured (a long run would otherwise record a commit made after it
     had started)."""
-    identity = {}
-    try:
-        identity["git_sha"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                             check=True).stdout.strip()
-        # Sources that differ from that commit (uncommitted edits, or a copied tree over stale git metadata, as on
-        # the GPU machine): then git_sha does not name what ran, source_sha256 does.
-        identity["sources_differ_from_git_sha"] = bool(subprocess.run(
-            ["git", "status", "--porcelain", "--", ":(glob)oasis_hf/**/*.py", ":(glob)eval/*.py"],
-            capture_output=True, text=True, check=True).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        identity["git_sha"] = None
+    identity = git_identity(Path(__file__).resolve().parents[1])
     # A copy of the working tree (the GPU machine's) may carry stale git metadata or uncommitted changes: record what
     # actually ran. `python -m eval._common` prints the same hash for a checkout.
     identity["source_sha256"] = source_hash()
     return identity
+
+
+def git_identity(root: Path) -> dict:
+    """``git_sha`` (short) and ``sources_differ_from_git_sha`` of the sources under `root`: None and absent unless
+    `root` is the top of a git checkout. A copy of the sources inside another checkout's ignored folder (an A/B tree)
+    would otherwise be labelled with that checkout's commit, and its edits would not show as differences."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root.resolve():
+            return {"git_sha": None}
+        # Sources that differ from that commit (uncommitted edits, or a copied tree over stale git metadata, as on
+        # the GPU machine): then git_sha does not name what ran, source_sha256 does.
+        return {"git_sha": git("rev-parse", "--short", "HEAD"), "sources_differ_from_git_sha": bool(
+            git("status", "--porcelain", "--", ":(glob)oasis_hf/**/*.py", ":(glob)eval/*.py"))}
+    except (OSError, subprocess.CalledProcessError):
+        return {"git_sha": None}
 
 
 def source_hash() -> str:

@@ -336,6 +336,31 @@ def test_environment_records_the_code_identity_taken_when_the_run_started(monkey
     assert _common.environment()["source_sha256"] == first["source_sha256"] != "edited-later"
 
 
+def test_code_identity_names_a_commit_only_for_the_top_of_a_checkout(tmp_path):
+    """Sources copied into a folder of another checkout (an A/B tree under an ignored folder) are not labelled with
+    that checkout's commit; the top of a checkout is, and its uncommitted edits show."""
+    import subprocess
+
+    from eval import _common
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "x.py").write_text("A = 1\n")
+    (tmp_path / ".gitignore").write_text("copy/\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-q", "-m", "one")
+    top = _common.git_identity(tmp_path)
+    assert len(top["git_sha"]) >= 7 and top["sources_differ_from_git_sha"] is False
+    (tmp_path / "eval" / "x.py").write_text("A = 2\n")
+    assert _common.git_identity(tmp_path)["sources_differ_from_git_sha"] is True
+    (tmp_path / "copy" / "eval").mkdir(parents=True)
+    assert _common.git_identity(tmp_path / "copy") == {"git_sha": None}
+
+
 def _fake_press_harness(monkeypatch, evaluate) -> None:
     """eval.accuracy's main loop with no model, suite or lm-eval run: the press rows' harness calls go to `evaluate`
     (lm-eval's ``simple_evaluate`` signature)."""
