@@ -23,7 +23,12 @@ Rules (GPU bytes per key in brackets, at blocks of 16 and 16-bit keys):
   of a block's ``n`` equal parts, the block's logit the log-sum-exp of its parts' logits (the block is still the
   unit that is selected and moved); ``mean + variance`` (2/16), the block's logit the log of the expected
   ``exp(scale * q . k)`` if its keys were independent Gaussians per channel: ``scale * q . mean + scale**2 / 2 *
-  sum_c q_c**2 var_c``.
+  sum_c q_c**2 var_c``;
+- two-stage candidates (``--rerank``): ``mean+minmax`` picks ``k * S`` blocks, and the ``CODE_BITS``-bit keys of those
+  blocks rank them. The GPU keeps the summaries and every block's codes, but a step's token pass reads ``k * S``
+  blocks' codes instead of all of them. Each row's softmax runs over the candidates' tokens alone, or over every
+  token with the other choosable blocks' mass estimated from their mean keys (`RERANK_NORMALISERS`): the rows of a
+  group are summed, so a row's normaliser weighs its vote.
 """
 
 from __future__ import annotations
@@ -39,32 +44,41 @@ from eval.tasks import TASKS
 from eval.tasks.ruler import generate as task_samples
 from oasis_hf import models
 from oasis_hf.cache.scoring import block_mass
-from oasis_hf.kernels.ref import SUMMARY_LAYOUT, score_blocks_ref, summarize_blocks
+from oasis_hf.kernels.ref import CODE_BITS, SUMMARY_LAYOUT, score_blocks_ref, summarize_blocks
 
 logger = logging.getLogger("eval.rank_summaries")
 
 PROBE = "oasis_rank_probe"  # the attention function's name in transformers' registry, registered by `main`
 
 
+#: How a two-stage rule's softmax is normalised: over the candidates' tokens alone, or over every token with each
+#: other block's tokens estimated from its mean key (``BS * exp(logit of the mean)``; sinks and recent blocks by their
+#: codes, as the one-stage rule).
+RERANK_NORMALISERS = ("softmax over the candidates", "others by their mean keys")
+
 #: The library's block-level summaries; its ``quantized`` summary is the 2-bit row of the quantized keys below.
 KINDS = [kind for kind in SUMMARY_LAYOUT if kind != "quantized"]
 
 
-def rule_names(bits: list[int], block_size: int, sub_blocks: list[int] = ()) -> list[str]:
+def rule_names(bits: list[int], block_size: int, sub_blocks: list[int] = (), rerank: list[int] = ()) -> list[str]:
     """Row labels, each with the GPU bytes per key that the rule keeps (16-bit keys)."""
     names = [f"{kind} ({len(SUMMARY_LAYOUT[kind])}/{block_size} of the key bytes)" for kind in KINDS]
     names += [f"minmax + {b}-bit keys ({2 * 16 / block_size + b:g}/16 of the key bytes)" for b in bits]
     names += [f"candidate: mean of {n} sub-blocks ({n}/{block_size} of the key bytes)" for n in sub_blocks]
-    return names + [f"candidate: mean + variance, Gaussian (2/{block_size} of the key bytes)"]
+    names += [f"candidate: mean + variance, Gaussian (2/{block_size} of the key bytes)"]
+    return names + [f"candidate: mean+minmax picks {k}S, {CODE_BITS}-bit keys rank them, {norm} "
+                    f"({3 * 16 / block_size + CODE_BITS:g}/16 of the key bytes)"
+                    for k in rerank for norm in RERANK_NORMALISERS]
 
 
 def block_scores(query: torch.Tensor, keys: torch.Tensor, scale: float, block_size: int, sink_blocks: int,
-                 recent_blocks: int, bits: list[int], sub_blocks: list[int] = ()
-                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 recent_blocks: int, bits: list[int], sub_blocks: list[int] = (), rerank: list[int] = (),
+                 selected: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Exact mass and every rule's scores of the choosable blocks for one position.
 
     query : (H_kv, G, D) the position's query rows per KV head; keys : (H_kv, N, D), the position last (N - 1).
-    `sub_blocks`: part counts of the ``mean of n sub-blocks`` candidates (each must divide `block_size`).
+    `sub_blocks`: part counts of the ``mean of n sub-blocks`` candidates (each must divide `block_size`);
+    `rerank`: factors ``k`` of the two-stage candidates, which pick ``k * selected`` blocks first (``-inf`` elsewhere).
     Returns ``(mass, scores)``: mass (H_kv, C) the exact softmax mass per choosable block (rows summed), scores
     {label: (H_kv, C)} in `rule_names` order; C = complete blocks minus sinks and recent ones (may be <= 0).
     """
@@ -80,7 +94,7 @@ def block_scores(query: torch.Tensor, keys: torch.Tensor, scale: float, block_si
                       block_size, every)[0, :, :complete]  # the exact mass per block, as the library's oracle has it
     blocks = k[:, : complete * block_size].reshape(1, num_kv_heads, complete, block_size, head_dim)
     ok = torch.ones(1, 1, complete, block_size, dtype=torch.bool)
-    names = rule_names(bits, block_size, sub_blocks)
+    names = rule_names(bits, block_size, sub_blocks, rerank)
     scores = {}
     for kind, name in zip(KINDS, names[: len(KINDS)], strict=True):
         # The view ends after the last complete block, so none of them is forced as a recent block.
@@ -92,13 +106,16 @@ def block_scores(query: torch.Tensor, keys: torch.Tensor, scale: float, block_si
         )[0]  # fmt: skip
     lo, hi = blocks[0].amin(2, keepdim=True), blocks[0].amax(2, keepdim=True)
     width = (hi - lo).clamp_min(torch.finfo(torch.float32).tiny)
-    for b, name in zip(bits, names[len(KINDS) : len(KINDS) + len(bits)], strict=True):
+
+    def token_logits(b: int) -> torch.Tensor:  # (H, G, C, BS): every token's logit against its b-bit key
         levels = 2**b - 1
         dequantized = lo + ((blocks[0] - lo) / width * levels).round() / levels * width
-        logits = torch.einsum("hgd,hcbd->hgcb", q, dequantized) * scale
-        shares = torch.softmax(logits.reshape(num_kv_heads, q.shape[1], -1), dim=-1)
+        return torch.einsum("hgd,hcbd->hgcb", q, dequantized) * scale
+
+    for b, name in zip(bits, names[len(KINDS) : len(KINDS) + len(bits)], strict=True):
+        shares = torch.softmax(token_logits(b).reshape(num_kv_heads, q.shape[1], -1), dim=-1)
         scores[name] = shares.reshape(num_kv_heads, q.shape[1], complete, block_size).sum((1, 3))
-    candidates = names[len(KINDS) + len(bits) :]
+    candidates = names[len(KINDS) + len(bits) : len(names) - len(rerank) * len(RERANK_NORMALISERS)]
     for n, name in zip(sub_blocks, candidates[:-1], strict=True):
         parts = blocks[0].reshape(num_kv_heads, complete, n, block_size // n, head_dim).mean(3)  # (H, C, n, D)
         logits = torch.einsum("hgd,hcnd->hgcn", q, parts).mul(scale).logsumexp(-1)
@@ -107,7 +124,29 @@ def block_scores(query: torch.Tensor, keys: torch.Tensor, scale: float, block_si
     logits = (torch.einsum("hgd,hcd->hgc", q, mean) * scale
               + 0.5 * scale**2 * torch.einsum("hgd,hcd->hgc", q * q, var))
     scores[candidates[-1]] = logits.softmax(-1).sum(1)
-    return mass[:, first:last], {name: s[:, first:last] for name, s in scores.items()}
+    scores = {name: s[:, first:last] for name, s in scores.items()}
+    if rerank and last > first:
+        stage1 = scores[names[KINDS.index("mean+minmax")]]
+        tokens = token_logits(CODE_BITS)  # (H, G, C, BS)
+        # A block's tokens as its mean key's logit: their sum of exponentials estimated as BS * exp(mean logit).
+        estimate = (torch.einsum("hgd,hcd->hgc", q, mean) * scale)[..., None].expand_as(tokens)
+        labels = iter(names[len(names) - len(rerank) * len(RERANK_NORMALISERS) :])
+        for k in rerank:
+            picked = stage1.topk(min(k * selected, stage1.shape[-1]), dim=-1).indices  # (H, k S)
+            chosen = torch.zeros_like(stage1, dtype=torch.bool).scatter_(-1, picked, True)
+            candidate = torch.zeros(num_kv_heads, complete, dtype=torch.bool)
+            candidate[:, first:last] = chosen
+            other = torch.ones_like(candidate)  # the other choosable blocks (sinks and recent ones are not)
+            other[:, :first], other[:, last:] = False, False
+            other &= ~candidate
+            for norm in RERANK_NORMALISERS:
+                if norm == RERANK_NORMALISERS[0]:
+                    logits = tokens.masked_fill(~candidate[:, None, :, None], -float("inf"))
+                else:
+                    logits = torch.where(other[:, None, :, None], estimate, tokens)
+                shares = torch.softmax(logits.flatten(2), dim=-1).reshape(tokens.shape).sum((1, 3))[:, first:last]
+                scores[next(labels)] = shares.masked_fill(~chosen, -float("inf"))
+    return mass[:, first:last], scores
 
 
 def quality(mass: torch.Tensor, score: torch.Tensor, selected: int) -> tuple[float, float]:
@@ -136,7 +175,7 @@ class Probe:
         for pos in range(self.first, query.shape[2]):
             rows = query[0, :, pos].reshape(num_kv_heads, -1, query.shape[-1])
             mass, scores = block_scores(rows, key[0, :, : pos + 1], module.scaling, a.block_size, a.sink_blocks,
-                                        a.recent_blocks, a.bits, a.sub_blocks)
+                                        a.recent_blocks, a.bits, a.sub_blocks, a.rerank, a.selected)
             if mass.shape[-1] < 2 * a.selected:
                 continue  # too few choosable blocks for the selection to mean anything
             for name, score in scores.items():
@@ -163,11 +202,14 @@ def main() -> None:
     parser.add_argument("--bits", type=int, nargs="*", default=[1, 2], help="key code widths to try")
     parser.add_argument("--sub-blocks", type=int, nargs="*", default=[2, 4],
                         help="part counts of the 'mean of n sub-blocks' candidates (each divides --block-size)")
+    parser.add_argument("--rerank", type=int, nargs="*", default=[2, 4],
+                        help="factors k of the two-stage candidates: mean+minmax picks k * --selected blocks, their "
+                             f"{CODE_BITS}-bit keys rank them")
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    if args.selected < 1 or args.block_size < 1 or min(args.bits, default=1) < 1:
-        parser.error("--selected, --block-size and --bits take positive integers")
+    if args.selected < 1 or args.block_size < 1 or min(args.bits, default=1) < 1 or min(args.rerank, default=1) < 1:
+        parser.error("--selected, --block-size, --bits and --rerank take positive integers")
     if any(n < 1 or args.block_size % n for n in args.sub_blocks):
         parser.error(f"--sub-blocks {args.sub_blocks}: each count must divide --block-size {args.block_size}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
