@@ -136,9 +136,8 @@ def block_scores(query: torch.Tensor, keys: torch.Tensor, scale: float, block_si
             chosen = torch.zeros_like(stage1, dtype=torch.bool).scatter_(-1, picked, True)
             candidate = torch.zeros(num_kv_heads, complete, dtype=torch.bool)
             candidate[:, first:last] = chosen
-            other = torch.ones_like(candidate)  # the other choosable blocks (sinks and recent ones are not)
+            other = ~candidate  # the other choosable blocks (sinks and recent ones are not)
             other[:, :first], other[:, last:] = False, False
-            other &= ~candidate
             for norm in RERANK_NORMALISERS:
                 if norm == RERANK_NORMALISERS[0]:
                     logits = tokens.masked_fill(~candidate[:, None, :, None], -float("inf"))
