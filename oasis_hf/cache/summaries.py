@@ -12,12 +12,15 @@ matches (a fact to retrieve); a mean ranks the blocks where many keys match (wor
 keeps both and lets each propose, a block's score being the average of its two softmax shares: there it scored 1.8
 and 2.1 above mean keys at budget 512 and within 0.15 at 2048, for three times the bytes and twice the scoring work.
 
-``"quantized"`` keeps the bounds and every key at 2 bits per channel inside them (KIVI's per-channel key
-quantization, with the block as the group), and scores tokens instead of blocks: a row's softmax runs over every
-real token's logit against its dequantized key, and a block's share is its tokens' shares. Offline, on the suite's
-prompts (``eval.rank_summaries``: Qwen2.5-Coder-0.5B at 4k, 1.5B at 8k, blocks of 16) it picked 0.82-0.83 of the
-exact attention's top blocks where ``mean+minmax`` picked 0.71. Its codes take ``BS * D / 4`` bytes per block (2/16
-of the keys, 3/16 with the bounds at blocks of 32), and scoring reads all of them twice per job.
+``"quantized"`` keeps the bounds, the mean key and every key at 2 bits per channel inside the bounds (KIVI's
+per-channel key quantization, with the block as the group), and scores tokens instead of blocks: a row's softmax
+runs over every real token's logit against its dequantized key, and a block's share is its tokens' shares. Offline,
+on the suite's prompts (``eval.rank_summaries``: Qwen2.5-Coder-0.5B at 4k, 1.5B at 8k, blocks of 16) it picked
+0.82-0.83 of the exact attention's top blocks where ``mean+minmax`` picked 0.71. Its codes take ``BS * D / 4``
+bytes per block (1/8 of the keys; 7/32 with the three vectors at blocks of 32). Reading every block's codes per
+scoring is a pass over the whole context, so by default (`OasisConfig.quantized_rerank`) it scores in two stages:
+``mean+minmax`` rates every block and only the codes of the best ``k * S`` are read, each other block counting in a
+row's softmax as its tokens at its mean key's logit.
 
 Scoring reads `BlockSummaries.data` directly (`oasis_hf.kernels.score_blocks`); a prompt's blocks are summarised by
 `oasis_hf.kernels.summarize_keys` (`BlockSummaries.write`), a decode step's new blocks inside
@@ -34,8 +37,8 @@ from oasis_hf.kernels.ref import CODES_PER_BYTE, SUMMARY_LAYOUT
 
 class BlockSummaries:
     """Per-block key summaries of one layer: `data` is (n, B, H_kv, NB_cap, D) in the layout `SUMMARY_LAYOUT` gives
-    for `kind`: n = 1 (``mean``: the mean key), 2 (``minmax`` and ``quantized``: per-channel lo, hi) or 3
-    (``mean+minmax``: lo, hi, mean). `codes` is (B, H_kv, NB_cap, BS, D // CODES_PER_BYTE) uint8 for ``quantized``
+    for `kind`: n = 1 (``mean``: the mean key), 2 (``minmax``: per-channel lo, hi) or 3 (``mean+minmax`` and
+    ``quantized``: lo, hi, mean). `codes` is (B, H_kv, NB_cap, BS, D // CODES_PER_BYTE) uint8 for ``quantized``
     (`oasis_hf.kernels.ref.quantize_blocks`), else None."""
 
     def __init__(self, kind: str, batch_size: int, num_kv_heads: int, capacity_blocks: int, head_dim: int,

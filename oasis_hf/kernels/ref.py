@@ -6,6 +6,7 @@ float32. Each function has exactly the signature of its Triton counterpart.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -15,10 +16,10 @@ _FLT_MAX = torch.finfo(torch.float32).max
 
 #: Block summaries per kind, stacked along the first dim of a summaries tensor (n, B, H_kv, NB_cap, D): Quest's
 #: per-channel bounds lo and hi first, then the mean key. `oasis_hf.cache.summaries.BlockSummaries` stores this
-#: layout; `append_tokens` and `score_blocks` read it. ``quantized`` keeps the bounds here and every key's codes
-#: beside them (`quantize_blocks`).
+#: layout; `append_tokens` and `score_blocks` read it. ``quantized`` keeps the bounds and the mean key here (the
+#: first stage of its two-stage scoring) and every key's codes beside them (`quantize_blocks`).
 SUMMARY_LAYOUT = {"mean": ("mean",), "minmax": ("lo", "hi"), "mean+minmax": ("lo", "hi", "mean"),
-                  "quantized": ("lo", "hi")}
+                  "quantized": ("lo", "hi", "mean")}
 #: Bits per channel of a ``quantized`` summary's key codes; ``8 // CODE_BITS`` channels share a byte.
 CODE_BITS = 2
 CODES_PER_BYTE = 8 // CODE_BITS
@@ -458,15 +459,34 @@ def dequantize_blocks(codes: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor
 
 
 def _token_shares(query: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, ok: torch.Tensor,
-                  token_ok: torch.Tensor, scale: float) -> torch.Tensor:
+                  token_ok: torch.Tensor, scale: float, candidates: int = 0,
+                  forced: torch.Tensor | None = None) -> torch.Tensor:
     """(B, H_kv, NB) float32 of a ``quantized`` summary: each query row's softmax over the real tokens of the `ok`
-    blocks of its logits against the dequantized keys, summed per block and over the G * T rows."""
+    blocks of its logits against the dequantized keys, summed per block and over the G * T rows.
+
+    With ``candidates > 0`` only the codes of the `candidates` blocks ``mean+minmax`` rates best (the `forced` ones
+    first) are read: each other `ok` block enters the softmax as its ``BS`` tokens at its mean key's logit (one
+    entry ``mean logit + log(BS)``), and its share is that entry's."""
     batch, _, _, head_dim = query.shape
     num_kv_heads, capacity = summaries.shape[2], summaries.shape[3]
+    block_size = codes.shape[3]
     q = query.float().reshape(batch, num_kv_heads, -1, head_dim)
     keys = dequantize_blocks(codes, summaries).flatten(2, 3)  # (B, H_kv, NB * BS, D)
-    allowed = (ok[..., None] & token_ok).flatten(-2)  # (B, 1, NB * BS)
+    allowed = ok[..., None] & token_ok  # (B, 1, NB, BS)
     logits = torch.einsum("bhmd,bhnd->bhmn", q, keys) * scale
+    if candidates > 0:
+        first_stage = _summary_shares(query, summaries, "mean+minmax", ok, scale)
+        first_stage = torch.where(forced, _INF, torch.where(ok, first_stage, -_INF))
+        picked = first_stage.topk(min(candidates, capacity), dim=-1).indices
+        chosen = torch.zeros_like(first_stage, dtype=torch.bool).scatter_(-1, picked, True) & ok  # (B, H_kv, NB)
+        mean = summaries[SUMMARY_LAYOUT["quantized"].index("mean")].float()
+        estimate = torch.einsum("bhmd,bhnd->bhmn", q, mean) * scale + math.log(block_size)  # (B, H_kv, M, NB)
+        entry = torch.arange(block_size, device=query.device) == 0
+        estimate = torch.where(entry, estimate[..., None], -_INF)  # (B, H_kv, M, NB, BS): one entry per block
+        logits = torch.where(chosen[:, :, None, :, None], logits.unflatten(-1, (capacity, block_size)), estimate)
+        allowed = torch.where(chosen[..., None], allowed, ok[..., None] & entry)  # (B, H_kv, NB, BS)
+        logits = logits.flatten(-2)
+    allowed = allowed.flatten(-2)
     shares = torch.softmax(logits.masked_fill(~allowed[:, :, None], -_INF), dim=-1).nan_to_num(0.0).sum(2)
     return shares.unflatten(-1, (capacity, -1)).sum(-1)
 
@@ -510,6 +530,7 @@ def score_blocks_ref(
     start_offset: int = 0,
     memory_write: bool = True,
     codes: torch.Tensor | None = None,
+    candidates: int = 0,
 ) -> torch.Tensor:
     """Every block's selection score with the rules every selector shares (twin of `score_blocks`).
 
@@ -534,6 +555,10 @@ def score_blocks_ref(
         (`quantize_blocks`; required for it, else unused): a row's softmax then runs over the real tokens of the
         view (``kv_start <= position < p0 + num_tokens``) of the choosable blocks, each token's logit against its
         dequantized key, and a block's share is its tokens' shares.
+    candidates : ``quantized`` only: score in two stages. ``mean+minmax`` on the bounds and mean key rates every
+        block (the forced ones first), and only the codes of the best `candidates` blocks are read: in each row's
+        softmax every other choosable block counts as its ``BS`` tokens at its mean key's logit, and its score is
+        that share. ``0`` (default): the codes of every block.
 
     Returns
     -------
@@ -546,12 +571,17 @@ def score_blocks_ref(
     ids = torch.arange(capacity, device=summaries.device).view(1, 1, -1)
     first = (kv_start // block_size).view(-1, 1, 1)
     ok = (ids >= first) & (ids < num_blocks)  # (B, 1, NB_cap)
+    recent_from = torch.minimum(num_blocks - recent_blocks, view_start // block_size)
+    forced = ok & ((ids < first + sink_blocks) | (ids >= recent_from))
+    if candidates < 0 or (candidates and kind != "quantized"):
+        raise ValueError(f"score_blocks: candidates={candidates} with a {kind!r} summary; two-stage scoring needs a "
+                         f"'quantized' summary and a positive count (0: one stage)")
     if source == "summaries" and kind == "quantized":
         if codes is None:
             raise ValueError("score_blocks: a 'quantized' summary needs its key codes (codes=...)")
         pos = ids[..., None] * block_size + torch.arange(block_size, device=ids.device)  # (1, 1, NB_cap, BS)
         token_ok = (pos >= kv_start.view(-1, 1, 1, 1)) & (pos < view_start + num_tokens)
-        score = _token_shares(query, summaries, codes, ok, token_ok, scale)
+        score = _token_shares(query, summaries, codes, ok, token_ok, scale, candidates, forced)
     elif source == "summaries":
         score = _summary_shares(query, summaries, kind, ok, scale)
     elif source == "recency":
@@ -565,8 +595,6 @@ def score_blocks_ref(
         score = torch.maximum(torch.where(ok, score / rows, 0.0), memory * decay)
         if memory_write:
             memory.copy_(score)
-    recent_from = torch.minimum(num_blocks - recent_blocks, view_start // block_size)
-    forced = ok & ((ids < first + sink_blocks) | (ids >= recent_from))
     return torch.where(forced, _INF, torch.where(ok, score, -_INF))
 
 

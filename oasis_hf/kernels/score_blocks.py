@@ -18,6 +18,13 @@ split's logits and writes the final scores with the rules and the memory applied
 its logits twice: ``_stats`` also keeps every block's maximum and sum per row, and ``_scores`` rescales those. The
 sources without summaries (``recency``, ``raw``) need only the second launch.
 
+A ``quantized`` summary with ``candidates > 0`` scores in two stages, so that only a few blocks' codes are read:
+``mean+minmax`` over the bounds and mean keys of every block (both launches, no memory) rates the blocks, a
+``topk`` picks the best ``candidates`` (the forced ones first), ``_stats`` walks those candidates' tokens (their
+ids, split over programs) and marks them, and the final ``_scores`` launch normalises each row over the candidates'
+tokens plus, for every other block, ``BS`` tokens at its mean key's logit (the first stage's mean channel, less the
+candidates' share of it), so each block's score is its share of one softmax: five launches and a ``topk``.
+
 Twin: `score_blocks_ref` (``oasis_hf.kernels.ref``), which states the rules.
 """
 
@@ -123,26 +130,25 @@ if triton is not None:
         return _dot(q, k if DOT_FP32 else k.to(q.dtype), IEEE)
 
     @triton.jit
-    def _token_logits(q0, q1, q2, q3, row_ok, S, CODES, base, code_base, n0, hi_blk, first, num_blocks, kv0,
+    def _token_logits(q0, q1, q2, q3, row_ok, S, CODES, base, code_base, blk, blk_ok, bcols, bcols_ok, kv0,
                       view_end, stride_sn, scale, LO_AT: tl.constexpr, HI_AT: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_J: tl.constexpr, BLOCK_SIZE: tl.constexpr, STEP: tl.constexpr, BITS: tl.constexpr,
                       PER_BYTE: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-        """(BLOCK_M, STEP * BS) logits of the tokens of blocks ``n0 .. n0 + STEP - 1`` against their dequantized
-        keys (``-inf`` where not allowed), and the allowed mask: real tokens of the view in choosable blocks.
+        """(BLOCK_M, STEP * BS) logits of the tokens of the STEP blocks `bcols` against their dequantized keys
+        (``-inf`` where not allowed), and the allowed mask: real tokens of the view in the choosable blocks
+        (`bcols_ok`). `blk` and `blk_ok` (STEP * BS) give each token's block and whether it is choosable.
 
         Per plane (the dims whose codes share a bit position, `q0` .. `q3` from `_query_plane`): each token's code
         bytes load once, (STEP * BS, D / PER_BYTE), and each block's bounds once, broadcast over its tokens."""
         tl.static_assert(PER_BYTE == 4, "the token path unpacks four codes per byte")
         tok = tl.arange(0, STEP * BLOCK_SIZE)
-        blk = n0 + tok // BLOCK_SIZE
         pos = blk * BLOCK_SIZE + tok % BLOCK_SIZE
-        tok_ok = (blk < hi_blk) & (blk >= first) & (blk < num_blocks) & (pos >= kv0) & (pos < view_end)
+        tok_ok = blk_ok & (pos >= kv0) & (pos < view_end)
         j = tl.arange(0, BLOCK_J)
         j_ok = j < HEAD_DIM // PER_BYTE
         byte = tl.load(CODES + code_base + pos[:, None] * (HEAD_DIM // PER_BYTE) + j[None, :],
                        mask=tok_ok[:, None] & j_ok[None, :], other=0).to(tl.int32)
-        bcols = n0 + tl.arange(0, STEP)
-        bmask = ((bcols < hi_blk) & (bcols < num_blocks))[:, None] & j_ok[None, :]
+        bmask = bcols_ok[:, None] & j_ok[None, :]
         boffs = base + bcols[:, None] * HEAD_DIM + j[None, :] * PER_BYTE
         x = _plane_logits(q0, byte, S, boffs, bmask, stride_sn, 0, LO_AT, HI_AT, BLOCK_SIZE, STEP, BLOCK_J, BITS,
                           DOT_FP32, IEEE)
@@ -154,6 +160,38 @@ if triton is not None:
                            DOT_FP32, IEEE)
         allowed = row_ok[:, None] & tok_ok[None, :]
         return tl.where(allowed, x * scale, float("-inf")), allowed
+
+    @triton.jit
+    def _mean_logits(q, S, base, bcols, bcols_ok, dims, dim_ok, stride_sn, scale, MEAN_AT: tl.constexpr,
+                     HEAD_DIM: tl.constexpr):
+        """(BLOCK_M, STEP) mean-key logits of a few blocks `bcols` (too few for `tl.dot`), in float32."""
+        s = tl.load(S + MEAN_AT * stride_sn + base + bcols[:, None] * HEAD_DIM + dims[None, :],
+                    mask=bcols_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+        return tl.sum(q.to(tl.float32)[:, None, :] * s[None, :, :], axis=2) * scale
+
+    @triton.jit
+    def _block_stats(x, row_ok, bcols, bcols_ok, BLK_M, BLK_S, bh, num_cap, m0, l0, BLOCK_M: tl.constexpr,
+                     STEP: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        """Keep each block's (max, sum of exp relative to it) per row of the token logits `x` (BLOCK_M, STEP * BS)
+        for `_scores` (which then reads these instead of the codes), and fold them into the running softmax
+        statistics (m0, l0)."""
+        x3 = tl.reshape(x, (BLOCK_M, STEP, BLOCK_SIZE))
+        bmax = tl.max(x3, axis=2)  # (BLOCK_M, STEP); -inf where no token of the block is allowed
+        bsafe = tl.where(bmax == float("-inf"), 0.0, bmax)
+        bsum = tl.sum(tl.exp(x3 - bsafe[:, :, None]), axis=2)
+        rows = tl.arange(0, BLOCK_M)
+        boffs = (bh.to(tl.int64) * num_cap + bcols)[None, :] * BLOCK_M + rows[:, None]
+        bmask = row_ok[:, None] & bcols_ok[None, :]  # `_scores` reads the real rows only
+        tl.store(BLK_M + boffs, bmax, mask=bmask)
+        tl.store(BLK_S + boffs, bsum, mask=bmask)
+        return _fold(m0, l0, bmax, bsum)
+
+    @triton.jit
+    def _fold(m0, l0, x, weight):
+        """Running (max, sum) of a row softmax after adding the entries ``weight * exp(x)`` (BLOCK_M, n)."""
+        m_new = tl.maximum(m0, tl.max(x, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        return m_new, l0 * tl.exp(m0 - m_safe) + tl.sum(weight * tl.exp(x - m_safe[:, None]), axis=1)
 
     @triton.jit
     def _view(START, KV_START, b, START_OFFSET: tl.constexpr, NUM_TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
@@ -170,17 +208,17 @@ if triton is not None:
                                                      HEAD_DIM, BLOCK_D, BLOCK_M, DOT_FP32)
         return q, tl.maximum(q, 0.0).to(q.dtype), tl.minimum(q, 0.0).to(q.dtype), row_ok, dims, dim_ok
 
-    @triton.jit(do_not_specialize=["num_cap", "per_split"])
+    @triton.jit(do_not_specialize=["num_cap", "per_split", "num_cand"])
     def _stats_kernel(
-        Q, S, KV_START, START, M_PART, L_PART, CODES, BLK_M, BLK_S,
-        num_cap, per_split, scale,
+        Q, S, KV_START, START, M_PART, L_PART, CODES, BLK_M, BLK_S, CAND, MARK,
+        num_cap, per_split, num_cand, scale,
         stride_qb, stride_qh, stride_qt, stride_sn, stride_sb, stride_sh, stride_cb, stride_ch,
         H_KV: tl.constexpr, GROUP: tl.constexpr, NUM_ROWS_T: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
         CHANNELS: tl.constexpr, FIRST_BOUND: tl.constexpr, MEAN_AT: tl.constexpr, LO_AT: tl.constexpr,
         HI_AT: tl.constexpr, START_OFFSET: tl.constexpr, NUM_TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         DOT_FP32: tl.constexpr, IEEE: tl.constexpr, TOKENS: tl.constexpr, STEP: tl.constexpr, BITS: tl.constexpr,
-        PER_BYTE: tl.constexpr, BLOCK_J: tl.constexpr,
+        PER_BYTE: tl.constexpr, BLOCK_J: tl.constexpr, CANDIDATES: tl.constexpr,
     ):  # fmt: skip
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -195,51 +233,63 @@ if triton is not None:
                                            HEAD_DIM, BLOCK_J, BLOCK_M, PER_BYTE, DOT_FP32)
         base = b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
         code_base = b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
-        lo_blk = split * per_split
-        hi_blk = tl.minimum(lo_blk + per_split, tl.minimum(num_cap, num_blocks))
         m0 = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l0 = tl.zeros([BLOCK_M], tl.float32)
         m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l1 = tl.zeros([BLOCK_M], tl.float32)
-        rows = tl.arange(0, BLOCK_M)
-        for n0 in range(lo_blk, hi_blk, STEP):
-            if TOKENS:
-                # Every block's (max, sum of exp relative to it) per row, kept for `_scores` (which then reads these
-                # instead of the codes), and the split's running softmax statistics from them.
-                x, allowed = _token_logits(q0, q1, q2, q3, row_ok, S, CODES, base, code_base, n0, hi_blk, first,
-                                           num_blocks, kv0, view_start + NUM_TOKENS, stride_sn, scale, LO_AT, HI_AT,
+        if CANDIDATES:
+            # The second stage: the tokens of this split's share of the candidate blocks (CAND, ids per (b, h)),
+            # channel 0; channel 1 sums the same blocks' mean-key estimates (`_scores` takes them out of the first
+            # stage's sum over every block).
+            lo_c = split * per_split
+            hi_c = tl.minimum(lo_c + per_split, num_cand)
+            cand = CAND + bh.to(tl.int64) * num_cand
+            tok = tl.arange(0, STEP * BLOCK_SIZE)
+            for i0 in range(lo_c, hi_c, STEP):
+                idx = i0 + tl.arange(0, STEP)
+                bcols = tl.load(cand + idx, mask=idx < hi_c, other=0)
+                bcols_ok = (idx < hi_c) & (bcols >= first) & (bcols < num_blocks)
+                tidx = i0 + tok // BLOCK_SIZE
+                blk = tl.load(cand + tidx, mask=tidx < hi_c, other=0)
+                blk_ok = (tidx < hi_c) & (blk >= first) & (blk < num_blocks)
+                x, allowed = _token_logits(q0, q1, q2, q3, row_ok, S, CODES, base, code_base, blk, blk_ok, bcols,
+                                           bcols_ok, kv0, view_start + NUM_TOKENS, stride_sn, scale, LO_AT, HI_AT,
                                            HEAD_DIM, BLOCK_J, BLOCK_SIZE, STEP, BITS, PER_BYTE, DOT_FP32, IEEE)
-                x3 = tl.reshape(x, (BLOCK_M, STEP, BLOCK_SIZE))
-                bmax = tl.max(x3, axis=2)  # (BLOCK_M, STEP); -inf where no token of the block is allowed
-                bsafe = tl.where(bmax == float("-inf"), 0.0, bmax)
-                bsum = tl.sum(tl.exp(x3 - bsafe[:, :, None]), axis=2)
-                bcols = n0 + tl.arange(0, STEP)
-                boffs = (bh.to(tl.int64) * num_cap + bcols)[None, :] * BLOCK_M + rows[:, None]
-                bmask = row_ok[:, None] & (bcols < hi_blk)[None, :]  # `_scores` reads the real rows only
-                tl.store(BLK_M + boffs, bmax, mask=bmask)
-                tl.store(BLK_S + boffs, bsum, mask=bmask)
-                m_new = tl.maximum(m0, tl.max(bmax, axis=1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                l0 = l0 * tl.exp(m0 - m_safe) + tl.sum(bsum * tl.exp(bmax - m_safe[:, None]), axis=1)
-                m0 = m_new
-            else:
-                cols = n0 + tl.arange(0, BLOCK_N)
-                ok = (cols < hi_blk) & (cols >= first)
-                allowed = row_ok[:, None] & ok[None, :]
-                x = tl.where(allowed, _logits(q, q_pos, q_neg, S, base, cols, ok, dims, dim_ok, stride_sn, scale,
-                                              FIRST_BOUND, MEAN_AT, LO_AT, HI_AT, HEAD_DIM, DOT_FP32, IEEE),
-                             float("-inf"))
-                m_new = tl.maximum(m0, tl.max(x, axis=1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                l0 = l0 * tl.exp(m0 - m_safe) + tl.sum(tl.where(allowed, tl.exp(x - m_safe[:, None]), 0.0), axis=1)
-                m0 = m_new
-            if CHANNELS == 2:
-                x = tl.where(allowed, _logits(q, q_pos, q_neg, S, base, cols, ok, dims, dim_ok, stride_sn, scale,
-                                              True, MEAN_AT, LO_AT, HI_AT, HEAD_DIM, DOT_FP32, IEEE), float("-inf"))
-                m_new = tl.maximum(m1, tl.max(x, axis=1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                l1 = l1 * tl.exp(m1 - m_safe) + tl.sum(tl.where(allowed, tl.exp(x - m_safe[:, None]), 0.0), axis=1)
-                m1 = m_new
+                m0, l0 = _block_stats(x, row_ok, bcols, bcols_ok, BLK_M, BLK_S, bh, num_cap, m0, l0, BLOCK_M, STEP,
+                                      BLOCK_SIZE)
+                live = row_ok[:, None] & bcols_ok[None, :]
+                xm = tl.where(live, _mean_logits(q, S, base, bcols, bcols_ok, dims, dim_ok, stride_sn, scale,
+                                                 MEAN_AT, HEAD_DIM), float("-inf"))
+                m1, l1 = _fold(m1, l1, xm, live.to(tl.float32))
+                tl.store(MARK + bh.to(tl.int64) * num_cap + bcols, 1, mask=bcols_ok)
+        else:
+            lo_blk = split * per_split
+            hi_blk = tl.minimum(lo_blk + per_split, tl.minimum(num_cap, num_blocks))
+            for n0 in range(lo_blk, hi_blk, STEP):
+                if TOKENS:
+                    blk = n0 + tl.arange(0, STEP * BLOCK_SIZE) // BLOCK_SIZE
+                    bcols = n0 + tl.arange(0, STEP)
+                    bcols_ok = (bcols < hi_blk) & (bcols >= first)
+                    x, allowed = _token_logits(q0, q1, q2, q3, row_ok, S, CODES, base, code_base, blk,
+                                               (blk < hi_blk) & (blk >= first), bcols, bcols_ok, kv0,
+                                               view_start + NUM_TOKENS, stride_sn, scale, LO_AT, HI_AT, HEAD_DIM,
+                                               BLOCK_J, BLOCK_SIZE, STEP, BITS, PER_BYTE, DOT_FP32, IEEE)
+                    m0, l0 = _block_stats(x, row_ok, bcols, bcols_ok, BLK_M, BLK_S, bh, num_cap, m0, l0, BLOCK_M,
+                                          STEP, BLOCK_SIZE)
+                else:
+                    cols = n0 + tl.arange(0, BLOCK_N)
+                    ok = (cols < hi_blk) & (cols >= first)
+                    allowed = row_ok[:, None] & ok[None, :]
+                    x = tl.where(allowed, _logits(q, q_pos, q_neg, S, base, cols, ok, dims, dim_ok, stride_sn, scale,
+                                                  FIRST_BOUND, MEAN_AT, LO_AT, HI_AT, HEAD_DIM, DOT_FP32, IEEE),
+                                 float("-inf"))
+                    m0, l0 = _fold(m0, l0, x, allowed.to(tl.float32))
+                    if CHANNELS == 2:
+                        x = tl.where(allowed, _logits(q, q_pos, q_neg, S, base, cols, ok, dims, dim_ok, stride_sn,
+                                                      scale, True, MEAN_AT, LO_AT, HI_AT, HEAD_DIM, DOT_FP32, IEEE),
+                                     float("-inf"))
+                        m1, l1 = _fold(m1, l1, x, allowed.to(tl.float32))
+        rows = tl.arange(0, BLOCK_M)
         part = (bh * NUM_SPLITS + split) * 2 * BLOCK_M
         tl.store(M_PART + part + rows, m0)
         tl.store(L_PART + part + rows, l0)
@@ -247,11 +297,11 @@ if triton is not None:
         tl.store(L_PART + part + BLOCK_M + rows, l1)
 
     @triton.jit
-    def _normaliser(M_PART, L_PART, bh, CHANNEL: tl.constexpr, BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                    SPLITS_P2: tl.constexpr):
-        """(max, 1 / sum) of every row's softmax over all splits of channel `CHANNEL` (0 and 0 for empty rows).
-        Every split's partials load at once as one (SPLITS_P2, BLOCK_M) tile (a loop over 33 splits at batch 1
-        waited on each load in turn)."""
+    def _merge(M_PART, L_PART, bh, CHANNEL: tl.constexpr, BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr,
+               SPLITS_P2: tl.constexpr):
+        """(max, sum relative to it) of every row's softmax over all splits of channel `CHANNEL` (0 and 0 for
+        empty rows). Every split's partials load at once as one (SPLITS_P2, BLOCK_M) tile (a loop over 33 splits at
+        batch 1 waited on each load in turn)."""
         rows = tl.arange(0, BLOCK_M)
         splits = tl.arange(0, SPLITS_P2)
         split_ok = (splits < NUM_SPLITS)[:, None]
@@ -260,19 +310,47 @@ if triton is not None:
         m = tl.max(m_all, axis=0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         total = tl.sum(tl.load(L_PART + offs, mask=split_ok, other=0.0) * tl.exp(m_all - m_safe[None, :]), axis=0)
-        return m_safe, tl.where(total > 0, 1.0 / tl.maximum(total, 1e-30), 0.0)
+        return m_safe, total
+
+    @triton.jit
+    def _inverse(total):
+        return tl.where(total > 0, 1.0 / tl.maximum(total, 1e-30), 0.0)
+
+    @triton.jit
+    def _normaliser(M_PART, L_PART, bh, CHANNEL: tl.constexpr, BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                    SPLITS_P2: tl.constexpr):
+        """(max, 1 / sum) of every row's softmax over all splits of channel `CHANNEL` (0 and 0 for empty rows)."""
+        m, total = _merge(M_PART, L_PART, bh, CHANNEL, BLOCK_M, NUM_SPLITS, SPLITS_P2)
+        return m, _inverse(total)
+
+    @triton.jit
+    def _two_stage_normaliser(M_PART, L_PART, M_CAND, L_CAND, bh, log_bs, BLOCK_M: tl.constexpr,
+                              NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, CAND_SPLITS: tl.constexpr,
+                              CAND_P2: tl.constexpr):
+        """(max, 1 / sum) of every row's two-stage softmax: the candidates' tokens (channel 0 of the second stage)
+        plus every other block as BS tokens at its mean key's logit: ``BS * (sum over every block - sum over the
+        candidates)`` of ``exp(mean logit)`` (channel 0 of the first stage, channel 1 of the second; clamped at 0,
+        as rounding may leave the difference a little below it when the candidates hold it all)."""
+        m_tok, l_tok = _merge(M_CAND, L_CAND, bh, 0, BLOCK_M, CAND_SPLITS, CAND_P2)
+        m_all, l_all = _merge(M_PART, L_PART, bh, 0, BLOCK_M, NUM_SPLITS, SPLITS_P2)
+        m_cand, l_cand = _merge(M_CAND, L_CAND, bh, 1, BLOCK_M, CAND_SPLITS, CAND_P2)
+        m = tl.maximum(tl.where(l_tok > 0, m_tok, float("-inf")), tl.where(l_all > 0, m_all + log_bs, float("-inf")))
+        m = tl.where(m == float("-inf"), 0.0, m)
+        others = l_all * tl.exp(m_all + log_bs - m) - l_cand * tl.exp(m_cand + log_bs - m)
+        return m, _inverse(l_tok * tl.exp(m_tok - m) + tl.maximum(others, 0.0))
 
     @triton.jit(do_not_specialize=["num_cap", "per_split", "sink_blocks", "recent_blocks"])
     def _scores_kernel(
-        Q, S, RAW, MEM, OUT, KV_START, START, M_PART, L_PART, BLK_M, BLK_S,
-        num_cap, per_split, scale, decay, sink_blocks, recent_blocks,
+        Q, S, RAW, MEM, OUT, KV_START, START, M_PART, L_PART, BLK_M, BLK_S, M_CAND, L_CAND, MARK,
+        num_cap, per_split, scale, decay, sink_blocks, recent_blocks, log_bs,
         stride_qb, stride_qh, stride_qt, stride_sn, stride_sb, stride_sh,
         H_KV: tl.constexpr, GROUP: tl.constexpr, NUM_ROWS_T: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
         SPLITS_P2: tl.constexpr, SOURCE: tl.constexpr, CHANNELS: tl.constexpr, FIRST_BOUND: tl.constexpr,
         MEAN_AT: tl.constexpr, LO_AT: tl.constexpr, HI_AT: tl.constexpr, START_OFFSET: tl.constexpr,
         NUM_TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr, MEMORY: tl.constexpr, MEMORY_WRITE: tl.constexpr,
-        DOT_FP32: tl.constexpr, IEEE: tl.constexpr, TOKENS: tl.constexpr,
+        DOT_FP32: tl.constexpr, IEEE: tl.constexpr, TOKENS: tl.constexpr, CANDIDATES: tl.constexpr,
+        CAND_SPLITS: tl.constexpr, CAND_P2: tl.constexpr,
     ):  # fmt: skip
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -287,7 +365,11 @@ if triton is not None:
             q, q_pos, q_neg, row_ok, dims, dim_ok = _query_tiles(Q, b, h, stride_qb, stride_qh, stride_qt, GROUP,
                                                                  NUM_ROWS_T, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_FP32)
             base = b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
-            m0, inv0 = _normaliser(M_PART, L_PART, bh, 0, BLOCK_M, NUM_SPLITS, SPLITS_P2)
+            if CANDIDATES:
+                m0, inv0 = _two_stage_normaliser(M_PART, L_PART, M_CAND, L_CAND, bh, log_bs, BLOCK_M, NUM_SPLITS,
+                                                 SPLITS_P2, CAND_SPLITS, CAND_P2)
+            else:
+                m0, inv0 = _normaliser(M_PART, L_PART, bh, 0, BLOCK_M, NUM_SPLITS, SPLITS_P2)
             if CHANNELS == 2:
                 m1, inv1 = _normaliser(M_PART, L_PART, bh, 1, BLOCK_M, NUM_SPLITS, SPLITS_P2)
         for n0 in range(lo_blk, hi_blk, BLOCK_N):
@@ -297,10 +379,20 @@ if triton is not None:
             if SOURCE == 0 and TOKENS:  # from the blocks' statistics `_stats` kept: no code is read twice
                 rows = tl.arange(0, BLOCK_M)
                 live = row_ok[:, None] & ok[None, :]
+                if CANDIDATES:  # the candidates' from their tokens, the others' from their mean keys
+                    marked = tl.load(MARK + row + cols, mask=ok, other=0) != 0
+                    coded = live & marked[None, :]
+                else:
+                    coded = live
                 boffs = (bh.to(tl.int64) * num_cap + cols)[None, :] * BLOCK_M + rows[:, None]
-                bmax = tl.load(BLK_M + boffs, mask=live, other=float("-inf"))
-                bsum = tl.load(BLK_S + boffs, mask=live, other=0.0)
-                score = tl.sum(tl.where(live, tl.exp(bmax - m0[:, None]) * bsum * inv0[:, None], 0.0), axis=0)
+                bmax = tl.load(BLK_M + boffs, mask=coded, other=float("-inf"))
+                bsum = tl.load(BLK_S + boffs, mask=coded, other=0.0)
+                share = tl.exp(bmax - m0[:, None]) * bsum
+                if CANDIDATES:
+                    x = _logits(q, q_pos, q_neg, S, base, cols, ok, dims, dim_ok, stride_sn, scale, False, MEAN_AT,
+                                LO_AT, HI_AT, HEAD_DIM, DOT_FP32, IEEE)
+                    share = tl.where(coded, share, tl.exp(x + log_bs - m0[:, None]))
+                score = tl.sum(tl.where(live, share * inv0[:, None], 0.0), axis=0)
             elif SOURCE == 0:
                 allowed = row_ok[:, None] & ok[None, :]
                 x = _logits(q, q_pos, q_neg, S, base, cols, ok, dims, dim_ok, stride_sn, scale, FIRST_BOUND, MEAN_AT,
@@ -325,13 +417,15 @@ if triton is not None:
             tl.store(OUT + row + cols, out, mask=in_cap)
 
 
-def _splits(batch_heads: int, num_cap: int, device: torch.device, per_sm: int = 2) -> tuple[int, int]:
-    """(splits, blocks per split) of a table of `num_cap` blocks: about `per_sm` programs per SM on the GPU."""
-    tiles = max(1, math.ceil(num_cap / _BLOCK_N))
+def _splits(batch_heads: int, count: int, device: torch.device, per_sm: int = 2,
+            granularity: int = _BLOCK_N) -> tuple[int, int]:
+    """(splits, blocks per split) of `count` blocks in tiles of `granularity`: about `per_sm` programs per SM on the
+    GPU."""
+    tiles = max(1, math.ceil(count / granularity))
     target = min(3, tiles) if device.type != "cuda" else math.ceil(per_sm * sm_count(device) / batch_heads)
     splits = max(1, min(tiles, target))
-    per_split = math.ceil(tiles / splits) * _BLOCK_N
-    return math.ceil(num_cap / per_split), per_split
+    per_split = math.ceil(tiles / splits) * granularity
+    return max(1, math.ceil(count / per_split)), per_split
 
 
 def score_blocks(
@@ -353,6 +447,7 @@ def score_blocks(
     start_offset: int = 0,
     memory_write: bool = True,
     codes: torch.Tensor | None = None,
+    candidates: int = 0,
 ) -> torch.Tensor:
     """Every block's selection score, rules and memory applied (Triton; the twin `score_blocks_ref` says what).
 
@@ -367,6 +462,8 @@ def score_blocks(
         twin.
     codes : (B, H_kv, NB_cap, BS, D // CODES_PER_BYTE) uint8 contiguous, a ``quantized`` summary's key codes
         (required for it with ``source="summaries"``).
+    candidates : ``quantized`` only: the two-stage scoring of the twin (``mean+minmax`` over every block, the
+        codes of the best `candidates` alone); 0: the codes of every block.
 
     Returns
     -------
@@ -374,6 +471,9 @@ def score_blocks(
     """
     if source not in SOURCES:
         raise ValueError(f"score_blocks: unknown source {source!r}; choose one of {list(SOURCES)}")
+    if candidates < 0 or (candidates and kind != "quantized"):
+        raise ValueError(f"score_blocks: candidates={candidates} with a {kind!r} summary; two-stage scoring needs a "
+                         f"'quantized' summary and a positive count (0: one stage)")
     layout = SUMMARY_LAYOUT[kind]
     count, batch, num_kv_heads, num_cap, head_dim = summaries.shape
     num_q_heads, num_rows_t = query.shape[1], query.shape[2]
@@ -394,7 +494,9 @@ def score_blocks(
                          f"NB_cap, BS, D // {CODES_PER_BYTE}), got {None if codes is None else tuple(codes.shape)}")
     dev = summaries.device
     group = num_q_heads // num_kv_heads
-    splits, per_split = _splits(batch * num_kv_heads, num_cap, dev, TOKEN_PROGRAMS_PER_SM if tokens else 2)
+    two_stage = tokens and candidates > 0
+    per_sm = TOKEN_PROGRAMS_PER_SM if tokens and not two_stage else 2
+    splits, per_split = _splits(batch * num_kv_heads, num_cap, dev, per_sm)
     block_m = max(16, triton.next_power_of_2(group * num_rows_t))
     out = torch.empty(batch, num_kv_heads, num_cap, device=dev, dtype=torch.float32)
     m_part = torch.empty(batch * num_kv_heads * splits * 2 * block_m, device=dev, dtype=torch.float32)
@@ -404,30 +506,65 @@ def score_blocks(
     blk_m = torch.empty(batch * num_kv_heads * num_cap * block_m, device=dev, dtype=torch.float32) if tokens else m_part
     blk_s = torch.empty_like(blk_m) if tokens else l_part  # (the block path never touches them)
     kv_start = kv_start.to(torch.int64)
-    channels = 2 if kind == "mean+minmax" else 1
+    channels = 2 if kind in ("mean+minmax", "quantized") else 1  # quantized: its first stage's, when two-stage
+    step = max(2, TOKEN_TILE // block_size) if tokens else _BLOCK_N
     common = dict(
         H_KV=num_kv_heads, GROUP=group, NUM_ROWS_T=num_rows_t, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=_BLOCK_N, NUM_SPLITS=splits,
-        CHANNELS=channels, FIRST_BOUND=kind == "minmax", MEAN_AT=layout.index("mean") if "mean" in layout else 0,
+        FIRST_BOUND=kind == "minmax", MEAN_AT=layout.index("mean") if "mean" in layout else 0,
         LO_AT=layout.index("lo") if "lo" in layout else 0, HI_AT=layout.index("hi") if "hi" in layout else 0,
         START_OFFSET=start_offset, NUM_TOKENS=num_tokens, BLOCK_SIZE=block_size,
         DOT_FP32=INTERPRET or query.dtype == torch.float32, IEEE=not INTERPRET and query.dtype == torch.float32,
-        TOKENS=tokens,
     )  # fmt: skip
+    tiles = dict(STEP=step, BITS=CODE_BITS, PER_BYTE=CODES_PER_BYTE,
+                 BLOCK_J=max(16, triton.next_power_of_2(head_dim // CODES_PER_BYTE)))
     strides = (query.stride(0), query.stride(1), query.stride(2), summaries.stride(0), summaries.stride(1),
                summaries.stride(2))
+    code_strides = (codes.stride(0), codes.stride(1)) if tokens else (0, 0)
     grid = (batch * num_kv_heads, splits)
-    if source == "summaries":
+    # The scores launch's inputs besides the first stage's partials (the two-stage ones: the second stage's partials
+    # and the candidates' marks), and its constants.
+    second = dict(M_CAND=m_part, L_CAND=l_part, MARK=out, CANDIDATES=False, CAND_SPLITS=1, CAND_P2=2)
+    if two_stage:
+        # First stage: mean+minmax over every block (its partials in m_part / l_part, kept for the normaliser), its
+        # scores with the rules (forced blocks +inf), and the best `candidates` of them.
         _stats_kernel[grid](
-            query, summaries, kv_start, start, m_part, l_part, codes if tokens else summaries, blk_m, blk_s, num_cap,
-            per_split, scale, *strides, codes.stride(0) if tokens else 0, codes.stride(1) if tokens else 0,
-            STEP=max(2, TOKEN_TILE // block_size) if tokens else _BLOCK_N, BITS=CODE_BITS, PER_BYTE=CODES_PER_BYTE,
-            BLOCK_J=max(16, triton.next_power_of_2(head_dim // CODES_PER_BYTE)), **common,
+            query, summaries, kv_start, start, m_part, l_part, summaries, m_part, l_part, kv_start, out, num_cap,
+            per_split, 0, scale, *strides, 0, 0, CHANNELS=2, TOKENS=False, CANDIDATES=False,
+            **dict(tiles, STEP=_BLOCK_N), **common,
+        )  # fmt: skip
+        first = torch.empty_like(out)
+        _scores_kernel[grid](
+            query, summaries, out, out, first, kv_start, start, m_part, l_part, m_part, l_part, m_part, l_part, out,
+            num_cap, per_split, scale, 0.0, sink_blocks, recent_blocks, 0.0, *strides,
+            SPLITS_P2=max(2, triton.next_power_of_2(splits)), SOURCE=0, CHANNELS=2, MEMORY=False,
+            MEMORY_WRITE=False, TOKENS=False, CANDIDATES=False, CAND_SPLITS=1, CAND_P2=2, **common,
+        )  # fmt: skip
+        num_cand = min(candidates, num_cap)
+        picked = first.topk(num_cand, dim=-1, sorted=False).indices.contiguous()  # (B, H_kv, C)
+        mark = torch.zeros(batch, num_kv_heads, num_cap, device=dev, dtype=torch.int8)
+        # Second stage: the candidates' tokens, split over programs in tiles of `step` blocks.
+        cand_splits, cand_per_split = _splits(batch * num_kv_heads, num_cand, dev, TOKEN_PROGRAMS_PER_SM, step)
+        m_cand = torch.empty(batch * num_kv_heads * cand_splits * 2 * block_m, device=dev, dtype=torch.float32)
+        l_cand = torch.empty_like(m_cand)
+        _stats_kernel[(batch * num_kv_heads, cand_splits)](
+            query, summaries, kv_start, start, m_cand, l_cand, codes, blk_m, blk_s, picked, mark, num_cap,
+            cand_per_split, num_cand, scale, *strides, *code_strides, CHANNELS=1, TOKENS=True, CANDIDATES=True,
+            **tiles, **dict(common, NUM_SPLITS=cand_splits),
+        )  # fmt: skip
+        second = dict(M_CAND=m_cand, L_CAND=l_cand, MARK=mark, CANDIDATES=True, CAND_SPLITS=cand_splits,
+                      CAND_P2=max(2, triton.next_power_of_2(cand_splits)))
+    elif source == "summaries":
+        _stats_kernel[grid](
+            query, summaries, kv_start, start, m_part, l_part, codes if tokens else summaries, blk_m, blk_s, kv_start,
+            out, num_cap, per_split, 0, scale, *strides, *code_strides, CHANNELS=1 if tokens else channels,
+            TOKENS=tokens, CANDIDATES=False, **tiles, **common,
         )  # fmt: skip
     _scores_kernel[grid](
         query, summaries, raw if raw is not None else out, memory if memory is not None else out, out, kv_start,
-        start, m_part, l_part, blk_m, blk_s, num_cap, per_split, scale, float(decay), sink_blocks, recent_blocks,
-        *strides, SPLITS_P2=max(2, triton.next_power_of_2(splits)), SOURCE=SOURCES.index(source), MEMORY=decay > 0,
-        MEMORY_WRITE=memory_write, **common,
+        start, m_part, l_part, blk_m, blk_s, second.pop("M_CAND"), second.pop("L_CAND"), second.pop("MARK"), num_cap,
+        per_split, scale, float(decay), sink_blocks, recent_blocks, math.log(block_size), *strides,
+        SPLITS_P2=max(2, triton.next_power_of_2(splits)), SOURCE=SOURCES.index(source), MEMORY=decay > 0,
+        MEMORY_WRITE=memory_write, CHANNELS=1 if tokens else channels, TOKENS=tokens, **second, **common,
     )  # fmt: skip
     return out

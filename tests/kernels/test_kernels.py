@@ -2,6 +2,7 @@
 second, naive oracle for the sparse attention (dense SDPA over the gathered blocks)."""
 
 import inspect
+import math
 
 import pytest
 import torch
@@ -330,7 +331,7 @@ def test_score_blocks_ref_matches_slow_rules(case, kind):
         assert torch.equal(mem_ref, memory) == (not decay or not write)  # read-only memory: left as it was
 
 
-def _check_scores(case, kind, source, decay, dtype, device, offset=0, memory_write=True):
+def _check_scores(case, kind, source, decay, dtype, device, offset=0, memory_write=True, candidates=0):
     codes = None
     if kind == "quantized":
         query, summaries, codes, kv_start, start, memory, *_, scale = make_quantized_inputs(case, dtype, device)
@@ -340,9 +341,9 @@ def _check_scores(case, kind, source, decay, dtype, device, offset=0, memory_wri
     rules = _rules(case, decay=decay, num_tokens=1 if offset else case[3], memory_write=memory_write)
     mem_k, mem_r = memory.clone(), memory.clone()
     out = score_blocks(query, summaries, raw, mem_k, kv_start, start, scale, kind=kind, source=source,
-                       start_offset=offset, codes=codes, **rules)
+                       start_offset=offset, codes=codes, candidates=candidates, **rules)
     ref = score_blocks_ref(query, summaries, raw, mem_r, kv_start, start, scale, kind=kind, source=source,
-                           start_offset=offset, codes=codes, **rules)
+                           start_offset=offset, codes=codes, candidates=candidates, **rules)
     assert out.shape == ref.shape and out.dtype == torch.float32
     assert torch.equal(torch.isinf(out), torch.isinf(ref)) and torch.equal(out == float("inf"), ref == float("inf"))
     finite = torch.isfinite(ref)
@@ -365,6 +366,18 @@ def test_score_blocks_kernel_matches_twin(case, kind, dtype):
     _check_scores(case, kind, "summaries", 0.9, dtype, dev, memory_write=False)  # the memory read, not updated
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", SCORE_CASES, ids=str)
+def test_score_blocks_kernel_matches_twin_two_stage(case, dtype):
+    """``quantized`` in two stages: a few candidates (the forced blocks and two or three more), and more candidates
+    than blocks (every block's codes, as one stage)."""
+    dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+    _check_scores(case, "quantized", "summaries", 0.0, dtype, dev, candidates=6)
+    _check_scores(case, "quantized", "summaries", 0.9, dtype, dev, offset=case[3] - 1, candidates=6)
+    _check_scores(case, "quantized", "summaries", 0.9, dtype, dev, candidates=case[5] + 3)
+
+
 def make_quantized_inputs(case, dtype, device="cpu", grid=False):
     """`make_score_inputs` for a ``quantized`` summary: keys of BS tokens per block, real from the padding start to
     the view's end as in a cache, their bounds and codes; with `grid`, every real key on its block's 4-level grid
@@ -383,6 +396,7 @@ def make_quantized_inputs(case, dtype, device="cpu", grid=False):
     if grid:
         lo, hi = bounds[0][..., None, :], bounds[1][..., None, :]
         keys = lo + torch.randint(0, 4, keys.shape, generator=gen) * (hi - lo) / 3
+        bounds[2] = summarize_blocks("mean", keys, token_ok)[0]  # the mean of the keys on the grid
     codes = quantize_blocks(keys, token_ok, bounds)
     memory = torch.rand(b, hkv, nb, generator=gen) * 0.02
     out = [query.to(dtype), bounds.to(dtype), codes, kv_start, start, memory]
@@ -417,6 +431,59 @@ def test_score_blocks_ref_quantized_is_exact_attention_on_lossless_keys(case):
             torch.testing.assert_close(out[i, h][finite], mass[finite], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("case", SCORE_CASES, ids=str)
+def test_score_blocks_ref_two_stage_follows_its_rule(case):
+    """Two-stage ``quantized`` scoring, the slow way: per (sequence, KV head) the `candidates` blocks ``mean+minmax``
+    rates best (forced ones first) are the candidates; each query row's softmax runs over the real tokens of the
+    candidates (logits against their dequantized keys) and one entry per other choosable block at its mean key's
+    logit + log(BS); a block's score is its entries' shares summed over the rows. More candidates than blocks gives
+    the one-stage scores."""
+    from oasis_hf.kernels.ref import SUMMARY_LAYOUT, dequantize_blocks
+
+    query, summaries, codes, kv_start, start, _, keys, token_ok, scale = make_quantized_inputs(case, torch.float32)
+    b, hq, hkv, t, d, nb, bs = case
+    rules = _rules(case)
+    one_stage = score_blocks_ref(query, summaries, None, None, kv_start, start, scale, kind="quantized",
+                                 source="summaries", codes=codes, **rules)
+    every = score_blocks_ref(query, summaries, None, None, kv_start, start, scale, kind="quantized",
+                             source="summaries", codes=codes, candidates=nb + 1, **rules)
+    torch.testing.assert_close(every, one_stage, atol=1e-6, rtol=1e-5)
+    first_stage = score_blocks_ref(query, summaries, None, None, kv_start, start, scale, kind="mean+minmax",
+                                   source="summaries", **rules)
+    dequantized = dequantize_blocks(codes, summaries)  # (B, H_kv, NB, BS, D)
+    mean = summaries[SUMMARY_LAYOUT["quantized"].index("mean")]
+    end = int(start) + t
+    num_blocks = -(-end // bs)
+    for count in (3, 6):
+        out = score_blocks_ref(query, summaries, None, None, kv_start, start, scale, kind="quantized",
+                               source="summaries", codes=codes, candidates=count, **rules)
+        assert torch.equal(torch.isinf(out), torch.isinf(one_stage)) and torch.equal(out > 0, one_stage > 0)
+        others = 0
+        for i in range(b):
+            first = int(kv_start[i]) // bs
+            choosable = list(range(first, min(num_blocks, nb)))
+            for h in range(hkv):
+                chosen = set(first_stage[i, h].topk(count).indices.tolist()) & set(choosable)
+                expected = torch.zeros(nb)
+                for row in query[i, h * (hq // hkv) : (h + 1) * (hq // hkv)].reshape(-1, d):
+                    entries, owners = [], []
+                    for n in choosable:
+                        if n in chosen:
+                            real = [j for j in range(bs) if int(kv_start[i]) <= n * bs + j < end]
+                            entries += [float(dequantized[i, h, n, j] @ row) * scale for j in real]
+                            owners += [n] * len(real)
+                        else:
+                            entries.append(float(mean[i, h, n] @ row) * scale + math.log(bs))
+                            owners.append(n)
+                    shares = torch.softmax(torch.tensor(entries), 0)
+                    expected.index_add_(0, torch.tensor(owners), shares)
+                finite = torch.isfinite(out[i, h])
+                torch.testing.assert_close(out[i, h][finite], expected[finite], atol=1e-5, rtol=1e-4)
+                others += len(choosable) - len(chosen)
+        if others:  # some block went without its codes: its score is an estimate
+            assert not torch.allclose(out[torch.isfinite(out)], one_stage[torch.isfinite(out)])
+
+
 @needs_triton
 @pytest.mark.parametrize("source", ["recency", "raw"])
 def test_score_blocks_kernel_sources_without_summaries(source):
@@ -435,10 +502,13 @@ def test_score_blocks_refuses_bad_input():
                      **rules)
     with pytest.raises(ValueError, match="needs `raw`"):
         score_blocks(query, summaries, None, memory, kv_start, start, scale, kind="mean", source="raw", **rules)
-    bounds = make_score_inputs(SCORE_CASES[0], "minmax", torch.float32)[1]
+    bounds = make_score_inputs(SCORE_CASES[0], "mean+minmax", torch.float32)[1]  # the layout of quantized
     for score in (score_blocks, score_blocks_ref):
         with pytest.raises(ValueError, match="quantized.*codes"):
             score(query, bounds, None, memory, kv_start, start, scale, kind="quantized", source="summaries", **rules)
+        with pytest.raises(ValueError, match="candidates=4 with a 'mean' summary"):
+            score(query, summaries, None, memory, kv_start, start, scale, kind="mean", source="summaries",
+                  candidates=4, **rules)
 
 
 @pytest.mark.gpu
@@ -449,6 +519,8 @@ def test_score_blocks_gpu_large(kind):
     for case in [(8, 32, 8, 1, 128, 1030, 32), (1, 32, 8, 1, 128, 4097, 32), (8, 12, 2, 5, 128, 1875, 16)]:
         _check_scores(case, kind, "summaries", 0.9, torch.bfloat16, "cuda")
         _check_scores(case, kind, "summaries", 0.9, torch.bfloat16, "cuda", memory_write=False)  # sync_fetch_memory
+        if kind == "quantized":  # two stages: 4 x 59 candidates and the forced blocks, as at a 2048-token budget
+            _check_scores(case, kind, "summaries", 0.9, torch.bfloat16, "cuda", candidates=4 * 59 + 8)
 
 
 def test_package_works_without_triton():
@@ -680,8 +752,8 @@ def test_block_summaries_store_what_each_kind_names():
 
 
 def test_quantized_block_summaries_keep_codes_and_count_their_bytes():
-    """``quantized``: the bounds in `data`, codes beside them written with them, grown and zeroed with them, counted
-    in `nbytes` as `summary_key_vectors` says; a head dim that does not pack into bytes is refused."""
+    """``quantized``: the bounds and mean key in `data`, codes beside them written with them, grown and zeroed with
+    them, counted in `nbytes` as `summary_key_vectors` says; a head dim that does not pack into bytes is refused."""
     from oasis_hf.cache.summaries import BlockSummaries
     from oasis_hf.kernels.ref import quantize_blocks, summarize_blocks, summary_key_vectors
 
@@ -693,8 +765,8 @@ def test_quantized_block_summaries_keep_codes_and_count_their_bytes():
     bounds = summarize_blocks("quantized", keys, token_ok)
     assert torch.equal(summaries.data, bounds) and torch.equal(summaries.codes, quantize_blocks(keys, token_ok, bounds))
     per_block = summary_key_vectors("quantized", 16) * 8 * 2  # key vectors x D x bf16 bytes
-    assert summaries.nbytes == 2 * 3 * 5 * per_block == 2 * 3 * 5 * (2 * 8 * 2 + 16 * 2)
-    assert summary_key_vectors("mean+minmax", 16) == 3 and summary_key_vectors("quantized", 32) == 6  # 3/16 of the keys
+    assert summaries.nbytes == 2 * 3 * 5 * per_block == 2 * 3 * 5 * (3 * 8 * 2 + 16 * 2)
+    assert summary_key_vectors("mean+minmax", 16) == 3 and summary_key_vectors("quantized", 32) == 7  # 7/32 of keys
     summaries.grow(7)
     assert summaries.codes.shape == (2, 3, 7, 16, 2) and not bool(summaries.codes[:, :, 5:].any())
     assert torch.equal(summaries.codes[:, :, :5], quantize_blocks(keys, token_ok, bounds))

@@ -93,7 +93,7 @@ def test_summarize_keys_refuses_what_it_cannot_write():
     with pytest.raises(ValueError, match="not contiguous summaries"):
         summarize_keys(keys, torch.zeros(1, dtype=torch.long), data[:, :, :, :2], kind="mean", block_size=16)
     with pytest.raises(ValueError, match="quantized.*codes"):
-        summarize_keys(keys, torch.zeros(1, dtype=torch.long), torch.zeros(2, 1, 2, 3, 16), kind="quantized",
+        summarize_keys(keys, torch.zeros(1, dtype=torch.long), torch.zeros(3, 1, 2, 3, 16), kind="quantized",
                        block_size=16)
     with pytest.raises(ValueError, match="last dim"):
         summarize_keys(torch.randn(1, 2, 16, 40).transpose(2, 3), torch.zeros(1, dtype=torch.long),
