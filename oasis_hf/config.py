@@ -76,9 +76,16 @@ class OasisConfig:
         the keys), ``"minmax"`` (Quest's per-channel bounds, 2/block_size of the keys) or ``"mean+minmax"`` (both,
         3/block_size; a block's score is the average of the two: the bounds rank blocks with one matching key, the
         mean blocks with many) or ``"quantized"`` (the bounds and every key at 2 bits per channel inside them,
-        scored token by token: 1/8 + 2/block_size of the keys; ranks blocks closest to exact attention, reads the
-        most per scoring: about 50x the scoring time of ``"mean"`` on an H200, so at large batch a lookahead job
-        cannot hide it; needs a head dim divisible by 4). See `oasis_hf.cache.summaries`.
+        scored token by token: 1/8 + 3/block_size of the keys, the mean key included for `quantized_rerank`; ranks
+        blocks closest to exact attention, reads the most per scoring; needs a head dim divisible by 4). See
+        `oasis_hf.cache.summaries`.
+    quantized_rerank : int
+        ``summary="quantized"`` only: score in two stages. ``mean+minmax`` (the bounds and the mean key) rates every
+        block, and the key codes of only ``k * S`` of them, the best it rates, rank those (``S`` = the blocks a
+        layer's budget selects beyond its sinks and recent window; the forced blocks are read besides): in each
+        query row's softmax every other block counts as its tokens at its mean key's logit. Offline
+        (`eval.rank_summaries`) k = 4 ranked as well as the codes of every block, k = 2 within 0.015 of it.
+        ``0``: the codes of every block (one stage; a token pass over the whole context per scoring). Default 4.
     max_fetch_blocks : int | None
         Cap on selector-driven block fetches per (sequence, KV head, layer) and step; the best-scoring misses go
         first and the least important resident blocks are evicted. Blocks that must be resident (sinks, recent
@@ -223,6 +230,7 @@ class OasisConfig:
     recent_tokens: int = 128
     selector: str = "current-query"
     summary: str = "mean"
+    quantized_rerank: int = 4
     max_fetch_blocks: int | None = 16
     sync_fetch_blocks: int = 0
     sync_fetch_memory: bool = False
@@ -283,6 +291,9 @@ class OasisConfig:
             raise bad("selector", self.selector, f"choose one of {sorted(SELECTORS)}")
         if self.summary not in SUMMARY_KINDS:
             raise bad("summary", self.summary, f"choose one of {list(SUMMARY_KINDS)}")
+        if not _is_int(self.quantized_rerank) or self.quantized_rerank < 0:
+            raise bad("quantized_rerank", self.quantized_rerank,
+                      "use a non-negative int: k of the k x S candidate blocks (0: the codes of every block)")
         if self.prefetch_launch not in ("thread", "caller"):
             raise bad("prefetch_launch", self.prefetch_launch, "choose 'thread' or 'caller'")
         if self.prefetch_policy not in ("wait", "stale"):
@@ -395,6 +406,17 @@ class OasisConfig:
     def layer_budget_blocks(self, layer_idx: int) -> int:
         """Block slots per (sequence, KV head) of layer `layer_idx` on the GPU."""
         return self.layer_budget(layer_idx) // self.block_size
+
+    def score_candidates(self, layer_idx: int, num_tokens: int) -> int:
+        """Blocks whose key codes a ``quantized`` summary's scoring of `num_tokens` query positions reads in layer
+        `layer_idx` (`quantized_rerank`): ``k * S`` chosen ones, ``S`` the layer's budget beyond its sinks and
+        recent window, plus room for every forced block (sinks, recent window, the blocks of the new tokens);
+        0 for one stage or another summary."""
+        if self.summary != "quantized" or not self.quantized_rerank:
+            return 0
+        selected = self.layer_budget_blocks(layer_idx) - self.sink_blocks - self.recent_blocks
+        forced = self.sink_blocks + self.recent_blocks + -(-num_tokens // self.block_size) + 1
+        return self.quantized_rerank * selected + forced
 
     @property
     def sink_blocks(self) -> int:

@@ -49,6 +49,9 @@ BAD = [
     ("selection_interval", 2, "selects inside every step"),  # the default selector is current-query
     ("sync_fetch_memory", 1, "True or False"),
     ("sync_fetch_memory", True, "set sync_fetch_blocks > 0"),  # no correction to rank
+    ("quantized_rerank", -1, "non-negative int"),
+    ("quantized_rerank", 2.0, "non-negative int"),
+    ("quantized_rerank", True, "non-negative int"),
 ]
 
 
@@ -104,3 +107,13 @@ def test_a_cache_names_the_argument_it_expected():
 def test_block_geometry_rounds_up_in_one_place():
     cfg = OasisConfig(block_size=32)
     assert [cfg.blocks(n) for n in (0, 1, 32, 33, 64, 65)] == [0, 1, 1, 2, 2, 3]
+
+
+def test_score_candidates_are_k_times_the_selected_blocks_plus_the_forced_ones():
+    # Budget 2048 in blocks of 32: 64 slots, 1 sink block and 5 recent ones (4 + the last, partial one): S = 58.
+    cfg = OasisConfig(summary="quantized", quantized_rerank=4, sink_tokens=32, recent_tokens=128)
+    forced_one_token = 1 + 5 + 1 + 1
+    assert cfg.score_candidates(0, 1) == 4 * 58 + forced_one_token
+    assert cfg.score_candidates(0, 40) == 4 * 58 + 1 + 5 + 2 + 1  # 40 new tokens can touch two more blocks
+    assert dataclasses.replace(cfg, quantized_rerank=0).score_candidates(0, 1) == 0  # one stage: every block
+    assert dataclasses.replace(cfg, summary="mean+minmax").score_candidates(0, 1) == 0

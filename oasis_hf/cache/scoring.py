@@ -43,13 +43,15 @@ def block_scores(layer: OasisLayer, query: torch.Tensor, scale: float, start: to
                                  layer.summaries.kind, layer.summaries.codes)
         raw = selector.score(context, query, scale)
     score = score_blocks if use_triton(query, cfg.kernel_backend) else score_blocks_ref
+    num_tokens = query.shape[2] if num_tokens is None else num_tokens
     return score(
         query, layer.summaries.data, raw, layer.score_memory, layer.kv_start, start, scale,
         kind=layer.summaries.kind, source="raw" if raw is not None else selector.scoring,
-        num_tokens=query.shape[2] if num_tokens is None else num_tokens, block_size=cfg.block_size,
+        num_tokens=num_tokens, block_size=cfg.block_size,
         sink_blocks=cfg.sink_blocks, recent_blocks=cfg.recent_blocks,
         decay=cfg.score_decay if selector.window_and_memory and memory != "off" else 0.0, start_offset=start_offset,
         memory_write=memory == "update", codes=layer.summaries.codes,
+        candidates=cfg.score_candidates(layer.layer_idx, num_tokens) if raw is None else 0,
     )  # fmt: skip
 
 
