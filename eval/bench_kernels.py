@@ -39,6 +39,7 @@ from eval._common import code_identity, environment, finish, markdown_table, med
 from eval.plot import plot_kernels
 from oasis_hf.cache.block_table import BlockTable
 from oasis_hf.cache.prefetch import background_stream
+from oasis_hf.config import OasisConfig
 from oasis_hf.kernels import (
     block_mass,
     block_mass_ref,
@@ -282,27 +283,32 @@ def mass_rows(shapes: list[tuple[int, int, int, int, int]]) -> list[dict]:
     return rows
 
 
-def score_rows(shapes: list[tuple[int, int, int, int]], kinds: tuple[str, ...] = ("mean",)) -> list[dict]:
+def score_rows(shapes: list[tuple[int, int, int, int]], kinds: tuple[str, ...] = ("mean",),
+               reranks: tuple[int, ...] = (0,)) -> list[dict]:
     """Block scoring of one layer-step (`score_blocks`, the selection memory on) per summary kind in `kinds` (mean
-    keys; ``quantized``: bounds plus 2-bit codes of every key, scored per token), Llama-8B heads (32 query heads
-    over 8 KV heads, D 128, bf16), replayed in a CUDA graph; checked against the twin first. Each shape is
-    (B, H_kv, NB, T): NB blocks of 32 scored by T query rows per head."""
+    keys; ``quantized``: bounds, mean key and 2-bit codes of every key, scored per token, once per k of `reranks`:
+    0 reads every block's codes, k > 0 those of ``k * S`` candidates, `OasisConfig.score_candidates` at budget 2048),
+    Llama-8B heads (32 query heads over 8 KV heads, D 128, bf16), replayed in a CUDA graph; checked against the twin
+    first. Each shape is (B, H_kv, NB, T): NB blocks of 32 scored by T query rows per head."""
     rows = []
-    for kind in kinds:
+    runs = [(kind, rerank) for kind in kinds for rerank in (reranks if kind == "quantized" else (0,))]
+    for kind, rerank in runs:
         for batch, heads, num_blocks, tokens in shapes:
             gen = torch.Generator(device="cuda").manual_seed(num_blocks + tokens)
             query = torch.randn(batch, 4 * heads, tokens, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
             vectors = torch.randn(2, batch, heads, num_blocks, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
-            summaries, codes = vectors[:1].contiguous(), None
-            if kind == "quantized":  # bounds lo <= hi, random codes
-                summaries = torch.stack([vectors.amin(0), vectors.amax(0)])
+            summaries, codes, candidates = vectors[:1].contiguous(), None, 0
+            if kind == "quantized":  # bounds lo <= hi, a mean between them, random codes
+                summaries = torch.stack([vectors.amin(0), vectors.amax(0), vectors.mean(0)])
                 codes = torch.randint(0, 256, (batch, heads, num_blocks, 32, 128 // CODES_PER_BYTE), device="cuda",
                                       dtype=torch.uint8, generator=gen)
+                candidates = OasisConfig(summary="quantized", quantized_rerank=rerank, sink_tokens=32,
+                                         recent_tokens=96).score_candidates(0, tokens)  # the rules' 1 + 4 blocks
             memory = torch.rand(batch, heads, num_blocks, device="cuda", generator=gen)
             kv_start = torch.zeros(batch, dtype=torch.long, device="cuda")
             start = torch.tensor(num_blocks * 32 - 16 - tokens, device="cuda")
             rules = dict(kind=kind, source="summaries", num_tokens=tokens, block_size=32, sink_blocks=1,
-                         recent_blocks=4, decay=0.9, codes=codes)
+                         recent_blocks=4, decay=0.9, codes=codes, candidates=candidates)
             out = score_blocks(query, summaries, None, memory.clone(), kv_start, start, 128**-0.5, **rules)
             ref = score_blocks_ref(query, summaries, None, memory.clone(), kv_start, start, 128**-0.5, **rules)
             finite = torch.isfinite(ref)
@@ -310,11 +316,13 @@ def score_rows(shapes: list[tuple[int, int, int, int]], kinds: tuple[str, ...] =
             same_rules = torch.equal(torch.isfinite(out), finite) and torch.equal(out[~finite], ref[~finite])
             ms = time_cuda(lambda q=query, s=summaries, m=memory, k=kv_start, st=start, r=rules: score_blocks(
                 q, s, None, m, k, st, 128**-0.5, **r))
-            nbytes = (summaries.numel() * summaries.element_size() + (0 if codes is None else codes.numel())
+            read_codes = 0 if codes is None else codes[:, :, :candidates or num_blocks].numel()
+            nbytes = (summaries.numel() * summaries.element_size() + read_codes
                       + 3 * memory.numel() * 4)  # memory read, written; out
-            rows.append({"summary": kind, "B": batch, "H_kv": heads, "NB": num_blocks, "T": tokens, "us": ms * 1e3,
-                         "MB moved": nbytes / 1e6, "GB/s": nbytes / (ms / 1e3) / 1e9, "rules equal": same_rules,
-                         "max rel err vs twin": err})
+            code_blocks = candidates or (num_blocks if codes is not None else 0)
+            rows.append({"summary": kind, "blocks read by codes": code_blocks, "B": batch, "H_kv": heads,
+                         "NB": num_blocks, "T": tokens, "us": ms * 1e3, "MB moved": nbytes / 1e6,
+                         "GB/s": nbytes / (ms / 1e3) / 1e9, "rules equal": same_rules, "max rel err vs twin": err})
             logger.info("score %s", rows[-1])
     return rows
 
@@ -518,6 +526,9 @@ def main() -> None:
                         help="shapes B,H_q,H_kv,W,N of the prefill-window mass table (none: skip it)")
     parser.add_argument("--score-summaries", nargs="+", default=["mean"], choices=["mean", "quantized"],
                         help="summary kinds of the scoring table (quantized: its bytes and time beside mean keys)")
+    parser.add_argument("--score-rerank", nargs="+", type=int, default=[0],
+                        help="quantized rows: k of the two-stage scoring (OasisConfig.quantized_rerank), one row "
+                             "each; 0 reads every block's codes")
     parser.add_argument("--projections", type=int, nargs="*", default=[1, 8, 16],
                         help="batches of the weight-GEMM table (one Llama-8B layer; none: skip it)")
     parser.add_argument("--job-interference", type=int, nargs="*", default=[8],
@@ -562,14 +573,15 @@ def main() -> None:
                   "delta of 16, table update), each replayed in a CUDA graph; NB 1025 / 4097 = 32k / 128k tokens in "
                   "blocks of 32, S 64 = budget 2048:\n\n")
         table += markdown_table(plans, ["B", "H_kv", "NB", "S", "plans equal", "kernel us", "twin us", "speed-up"])
-    scores = score_rows([tuple(int(x) for x in shape.split(",")) for shape in args.score], tuple(args.score_summaries))
+    scores = score_rows([tuple(int(x) for x in shape.split(",")) for shape in args.score], tuple(args.score_summaries),
+                        tuple(args.score_rerank))
     if scores:
         table += ("\n\nBlock scoring of one layer-step (`score_blocks`: mean keys, softmax over the blocks; quantized, "
                   "softmax over the tokens; selection memory), replayed in a CUDA graph; bytes: the summaries (and "
                   "codes) read once, the memory read and "
                   "written, the scores written:\n\n")
-        table += markdown_table(scores, ["summary", "B", "H_kv", "NB", "T", "us", "MB moved", "GB/s", "rules equal",
-                                         "max rel err vs twin"])
+        table += markdown_table(scores, ["summary", "blocks read by codes", "B", "H_kv", "NB", "T", "us",
+                                         "MB moved", "GB/s", "rules equal", "max rel err vs twin"])
     masses = mass_rows([tuple(int(x) for x in shape.split(",")) for shape in args.mass])
     if masses:
         table += ("\n\nThe prefill window's first selection (`block_mass`: the exact attention mass per block of the "
