@@ -52,6 +52,8 @@ _BLOCK_N = 64
 TOKEN_PROGRAMS_PER_SM = 8
 #: Tokens per tile of the token path's walk (``STEP = TOKEN_TILE // BS`` blocks, at least 2).
 TOKEN_TILE = 128
+#: Candidates per dot of the two-stage walk's mean-key pass (16: the smallest ``tl.dot`` width).
+_CAND_TILE = 16
 
 
 if triton is not None:
@@ -162,14 +164,6 @@ if triton is not None:
         return tl.where(allowed, x * scale, float("-inf")), allowed
 
     @triton.jit
-    def _mean_logits(q, S, base, bcols, bcols_ok, dims, dim_ok, stride_sn, scale, MEAN_AT: tl.constexpr,
-                     HEAD_DIM: tl.constexpr):
-        """(BLOCK_M, STEP) mean-key logits of a few blocks `bcols` (too few for `tl.dot`), in float32."""
-        s = tl.load(S + MEAN_AT * stride_sn + base + bcols[:, None] * HEAD_DIM + dims[None, :],
-                    mask=bcols_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
-        return tl.sum(q.to(tl.float32)[:, None, :] * s[None, :, :], axis=2) * scale
-
-    @triton.jit
     def _block_stats(x, row_ok, bcols, bcols_ok, BLK_M, BLK_S, bh, num_cap, m0, l0, BLOCK_M: tl.constexpr,
                      STEP: tl.constexpr, BLOCK_SIZE: tl.constexpr):
         """Keep each block's (max, sum of exp relative to it) per row of the token logits `x` (BLOCK_M, STEP * BS)
@@ -218,7 +212,7 @@ if triton is not None:
         CHANNELS: tl.constexpr, FIRST_BOUND: tl.constexpr, MEAN_AT: tl.constexpr, LO_AT: tl.constexpr,
         HI_AT: tl.constexpr, START_OFFSET: tl.constexpr, NUM_TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         DOT_FP32: tl.constexpr, IEEE: tl.constexpr, TOKENS: tl.constexpr, STEP: tl.constexpr, BITS: tl.constexpr,
-        PER_BYTE: tl.constexpr, BLOCK_J: tl.constexpr, CANDIDATES: tl.constexpr,
+        PER_BYTE: tl.constexpr, BLOCK_J: tl.constexpr, CANDIDATES: tl.constexpr, CAND_TILE: tl.constexpr,
     ):  # fmt: skip
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -240,10 +234,19 @@ if triton is not None:
         if CANDIDATES:
             # The second stage: the tokens of this split's share of the candidate blocks (CAND, ids per (b, h)),
             # channel 0; channel 1 sums the same blocks' mean-key estimates (`_scores` takes them out of the first
-            # stage's sum over every block).
+            # stage's sum over every block), in one dot per CAND_TILE candidates before the token walk.
             lo_c = split * per_split
             hi_c = tl.minimum(lo_c + per_split, num_cand)
             cand = CAND + bh.to(tl.int64) * num_cand
+            for c0 in range(lo_c, hi_c, CAND_TILE):  # mean-key logits and marks, CAND_TILE candidates per dot
+                cidx = c0 + tl.arange(0, CAND_TILE)
+                ccols = tl.load(cand + cidx, mask=cidx < hi_c, other=0)
+                ccols_ok = (cidx < hi_c) & (ccols >= first) & (ccols < num_blocks)
+                live = row_ok[:, None] & ccols_ok[None, :]
+                xm = tl.where(live, _logits(q, q_pos, q_neg, S, base, ccols, ccols_ok, dims, dim_ok, stride_sn, scale,
+                                            False, MEAN_AT, LO_AT, HI_AT, HEAD_DIM, DOT_FP32, IEEE), float("-inf"))
+                m1, l1 = _fold(m1, l1, xm, live.to(tl.float32))
+                tl.store(MARK + bh.to(tl.int64) * num_cap + ccols, 1, mask=ccols_ok)
             tok = tl.arange(0, STEP * BLOCK_SIZE)
             for i0 in range(lo_c, hi_c, STEP):
                 idx = i0 + tl.arange(0, STEP)
@@ -257,11 +260,6 @@ if triton is not None:
                                            HEAD_DIM, BLOCK_J, BLOCK_SIZE, STEP, BITS, PER_BYTE, DOT_FP32, IEEE)
                 m0, l0 = _block_stats(x, row_ok, bcols, bcols_ok, BLK_M, BLK_S, bh, num_cap, m0, l0, BLOCK_M, STEP,
                                       BLOCK_SIZE)
-                live = row_ok[:, None] & bcols_ok[None, :]
-                xm = tl.where(live, _mean_logits(q, S, base, bcols, bcols_ok, dims, dim_ok, stride_sn, scale,
-                                                 MEAN_AT, HEAD_DIM), float("-inf"))
-                m1, l1 = _fold(m1, l1, xm, live.to(tl.float32))
-                tl.store(MARK + bh.to(tl.int64) * num_cap + bcols, 1, mask=bcols_ok)
         else:
             lo_blk = split * per_split
             hi_blk = tl.minimum(lo_blk + per_split, tl.minimum(num_cap, num_blocks))
@@ -516,7 +514,7 @@ def score_blocks(
         START_OFFSET=start_offset, NUM_TOKENS=num_tokens, BLOCK_SIZE=block_size,
         DOT_FP32=INTERPRET or query.dtype == torch.float32, IEEE=not INTERPRET and query.dtype == torch.float32,
     )  # fmt: skip
-    tiles = dict(STEP=step, BITS=CODE_BITS, PER_BYTE=CODES_PER_BYTE,
+    tiles = dict(STEP=step, BITS=CODE_BITS, PER_BYTE=CODES_PER_BYTE, CAND_TILE=_CAND_TILE,
                  BLOCK_J=max(16, triton.next_power_of_2(head_dim // CODES_PER_BYTE)))
     strides = (query.stride(0), query.stride(1), query.stride(2), summaries.stride(0), summaries.stride(1),
                summaries.stride(2))
