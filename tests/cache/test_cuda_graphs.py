@@ -48,13 +48,17 @@ def test_graph_replay_equals_eager_under_selection(family, dtype):
         layer.table.check()
 
 
+@pytest.mark.parametrize("summary", [{}, dict(summary="quantized", quantized_rerank=1)], ids=["mean", "two-stage"])
 @pytest.mark.parametrize("selector", ["current-query", "lookahead"])
-def test_graph_replay_equals_eager_with_prefill_window_and_score_memory(selector):
-    """The selection memory is updated in place inside the captured step (current-query) or job (lookahead)."""
+def test_graph_replay_equals_eager_with_prefill_window_and_score_memory(selector, summary):
+    """The selection memory is updated in place inside the captured step (current-query) or job (lookahead); with
+    two-stage quantized scoring (about 10 of 22 blocks' codes read: S = 4 slots beyond sinks and recent window) the
+    candidates' top-k and marks are captured too."""
     model = tiny_model("llama", attn="oasis", device="cuda", dtype=torch.bfloat16)
     ids, mask = left_padded([300, 260])
     ids, mask = ids.cuda(), mask.cuda()
-    small = dict(selector=selector, budget_tokens=128, max_fetch_blocks=2, prefill_window_tokens=16, score_decay=0.8)
+    small = dict(selector=selector, budget_tokens=128, max_fetch_blocks=2, prefill_window_tokens=16, score_decay=0.8,
+                 **summary)
     outs, stats = [], []
     for graphs in (False, True):
         with oasis_cache(model, cuda_graphs=graphs, **small) as cache, torch.inference_mode():
