@@ -20,10 +20,11 @@ sources without summaries (``recency``, ``raw``) need only the second launch.
 
 A ``quantized`` summary with ``candidates > 0`` scores in two stages, so that only a few blocks' codes are read:
 ``mean+minmax`` over the bounds and mean keys of every block (both launches, no memory) rates the blocks, a
-``topk`` picks the best ``candidates`` (the forced ones first), ``_stats`` walks those candidates' tokens (their
-ids, split over programs) and marks them, and the final ``_scores`` launch normalises each row over the candidates'
-tokens plus, for every other block, ``BS`` tokens at its mean key's logit (the first stage's mean channel, less the
-candidates' share of it), so each block's score is its share of one softmax: five launches and a ``topk``.
+``topk`` picks the best ``candidates`` (the forced ones first), ``_stats`` marks those candidates and walks their
+tokens (their ids split over programs; their mean-key logits in one dot per 16), and the final ``_scores`` launch
+normalises each row over the candidates' tokens plus, for every other block, ``BS`` tokens at its mean key's logit
+(the first stage's mean channel less the candidates' part of it), so each block's score is its share of one
+softmax: four launches, a ``topk`` and the zeroing of the marks.
 
 Twin: `score_blocks_ref` (``oasis_hf.kernels.ref``), which states the rules.
 """
