@@ -458,6 +458,14 @@ def dequantize_blocks(codes: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor
     return lo + code * ((hi - lo) / (2**CODE_BITS - 1))
 
 
+def check_candidates(kind: str, candidates: int) -> None:
+    """Refuse a two-stage candidate count (`score_blocks` and its twin) that is negative or set for a summary without
+    key codes."""
+    if candidates < 0 or (candidates and kind != "quantized"):
+        raise ValueError(f"score_blocks: candidates={candidates} with a {kind!r} summary; two-stage scoring needs a "
+                         f"'quantized' summary and a positive count (0: one stage)")
+
+
 def _token_shares(query: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, ok: torch.Tensor,
                   token_ok: torch.Tensor, scale: float, candidates: int = 0,
                   forced: torch.Tensor | None = None) -> torch.Tensor:
@@ -573,9 +581,7 @@ def score_blocks_ref(
     ok = (ids >= first) & (ids < num_blocks)  # (B, 1, NB_cap)
     recent_from = torch.minimum(num_blocks - recent_blocks, view_start // block_size)
     forced = ok & ((ids < first + sink_blocks) | (ids >= recent_from))
-    if candidates < 0 or (candidates and kind != "quantized"):
-        raise ValueError(f"score_blocks: candidates={candidates} with a {kind!r} summary; two-stage scoring needs a "
-                         f"'quantized' summary and a positive count (0: one stage)")
+    check_candidates(kind, candidates)
     if source == "summaries" and kind == "quantized":
         if codes is None:
             raise ValueError("score_blocks: a 'quantized' summary needs its key codes (codes=...)")

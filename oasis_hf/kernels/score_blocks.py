@@ -37,7 +37,7 @@ import torch
 
 from oasis_hf.kernels._tiles import load_query_tile
 from oasis_hf.kernels.backend import INTERPRET, sm_count
-from oasis_hf.kernels.ref import CODE_BITS, CODES_PER_BYTE, SUMMARY_LAYOUT
+from oasis_hf.kernels.ref import CODE_BITS, CODES_PER_BYTE, SUMMARY_LAYOUT, check_candidates
 
 try:
     import triton
@@ -470,9 +470,7 @@ def score_blocks(
     """
     if source not in SOURCES:
         raise ValueError(f"score_blocks: unknown source {source!r}; choose one of {list(SOURCES)}")
-    if candidates < 0 or (candidates and kind != "quantized"):
-        raise ValueError(f"score_blocks: candidates={candidates} with a {kind!r} summary; two-stage scoring needs a "
-                         f"'quantized' summary and a positive count (0: one stage)")
+    check_candidates(kind, candidates)
     layout = SUMMARY_LAYOUT[kind]
     count, batch, num_kv_heads, num_cap, head_dim = summaries.shape
     num_q_heads, num_rows_t = query.shape[1], query.shape[2]
@@ -505,7 +503,7 @@ def score_blocks(
     blk_m = torch.empty(batch * num_kv_heads * num_cap * block_m, device=dev, dtype=torch.float32) if tokens else m_part
     blk_s = torch.empty_like(blk_m) if tokens else l_part  # (the block path never touches them)
     kv_start = kv_start.to(torch.int64)
-    channels = 2 if kind in ("mean+minmax", "quantized") else 1  # quantized: its first stage's, when two-stage
+    channels = 2 if kind == "mean+minmax" else 1
     step = max(2, TOKEN_TILE // block_size) if tokens else _BLOCK_N
     common = dict(
         H_KV=num_kv_heads, GROUP=group, NUM_ROWS_T=num_rows_t, HEAD_DIM=head_dim,
@@ -521,9 +519,9 @@ def score_blocks(
                summaries.stride(2))
     code_strides = (codes.stride(0), codes.stride(1)) if tokens else (0, 0)
     grid = (batch * num_kv_heads, splits)
-    # The scores launch's inputs besides the first stage's partials (the two-stage ones: the second stage's partials
-    # and the candidates' marks), and its constants.
-    second = dict(M_CAND=m_part, L_CAND=l_part, MARK=out, CANDIDATES=False, CAND_SPLITS=1, CAND_P2=2)
+    # The final scores launch's two-stage inputs (the second stage's partials and the candidates' marks; unread
+    # placeholders otherwise) and constants.
+    cand_inputs, cand_consts = (m_part, l_part, out), dict(CANDIDATES=False, CAND_SPLITS=1, CAND_P2=2)
     if two_stage:
         # First stage: mean+minmax over every block (its partials in m_part / l_part, kept for the normaliser), its
         # scores with the rules (forced blocks +inf), and the best `candidates` of them.
@@ -537,7 +535,7 @@ def score_blocks(
             query, summaries, out, out, first, kv_start, start, m_part, l_part, m_part, l_part, m_part, l_part, out,
             num_cap, per_split, scale, 0.0, sink_blocks, recent_blocks, 0.0, *strides,
             SPLITS_P2=max(2, triton.next_power_of_2(splits)), SOURCE=0, CHANNELS=2, MEMORY=False,
-            MEMORY_WRITE=False, TOKENS=False, CANDIDATES=False, CAND_SPLITS=1, CAND_P2=2, **common,
+            MEMORY_WRITE=False, TOKENS=False, **cand_consts, **common,
         )  # fmt: skip
         num_cand = min(candidates, num_cap)
         picked = first.topk(num_cand, dim=-1, sorted=False).indices.contiguous()  # (B, H_kv, C)
@@ -551,8 +549,9 @@ def score_blocks(
             cand_per_split, num_cand, scale, *strides, *code_strides, CHANNELS=1, TOKENS=True, CANDIDATES=True,
             **tiles, **dict(common, NUM_SPLITS=cand_splits),
         )  # fmt: skip
-        second = dict(M_CAND=m_cand, L_CAND=l_cand, MARK=mark, CANDIDATES=True, CAND_SPLITS=cand_splits,
-                      CAND_P2=max(2, triton.next_power_of_2(cand_splits)))
+        cand_inputs = (m_cand, l_cand, mark)
+        cand_consts = dict(CANDIDATES=True, CAND_SPLITS=cand_splits,
+                           CAND_P2=max(2, triton.next_power_of_2(cand_splits)))
     elif source == "summaries":
         _stats_kernel[grid](
             query, summaries, kv_start, start, m_part, l_part, codes if tokens else summaries, blk_m, blk_s, kv_start,
@@ -561,9 +560,9 @@ def score_blocks(
         )  # fmt: skip
     _scores_kernel[grid](
         query, summaries, raw if raw is not None else out, memory if memory is not None else out, out, kv_start,
-        start, m_part, l_part, blk_m, blk_s, second.pop("M_CAND"), second.pop("L_CAND"), second.pop("MARK"), num_cap,
-        per_split, scale, float(decay), sink_blocks, recent_blocks, math.log(block_size), *strides,
-        SPLITS_P2=max(2, triton.next_power_of_2(splits)), SOURCE=SOURCES.index(source), MEMORY=decay > 0,
-        MEMORY_WRITE=memory_write, CHANNELS=1 if tokens else channels, TOKENS=tokens, **second, **common,
+        start, m_part, l_part, blk_m, blk_s, *cand_inputs, num_cap, per_split, scale, float(decay), sink_blocks,
+        recent_blocks, math.log(block_size), *strides, SPLITS_P2=max(2, triton.next_power_of_2(splits)),
+        SOURCE=SOURCES.index(source), MEMORY=decay > 0, MEMORY_WRITE=memory_write, CHANNELS=1 if tokens else channels,
+        TOKENS=tokens, **cand_consts, **common,
     )  # fmt: skip
     return out
