@@ -90,6 +90,12 @@ class OasisConfig:
         Cap on selector-driven block fetches per (sequence, KV head, layer) and step; the best-scoring misses go
         first and the least important resident blocks are evicted. Blocks that must be resident (sinks, recent
         window, new tokens) are never capped. ``None`` means no cap. Default 16.
+    keep_margin : float
+        Hysteresis of the plan: a resident block's score counts ``1 + keep_margin`` times when the top blocks are
+        chosen, so a block that is not resident replaces one that is only when it scores more than that factor
+        above it. Scores that move a little from step to step swap blocks near the selection's edge back and forth
+        (each swap a block over PCIe and, in a background job, a longer gather beside the step); a margin keeps
+        such near-ties where they are. ``0.0`` (default): plain top blocks.
     sync_fetch_blocks : int
         Asynchronous selectors (``lookahead``, ``previous-query``) only: a correction inside each step. Before the
         step's attention, its own queries score every block (as ``current-query`` does, without the selection
@@ -232,6 +238,7 @@ class OasisConfig:
     summary: str = "mean"
     quantized_rerank: int = 4
     max_fetch_blocks: int | None = 16
+    keep_margin: float = 0.0
     sync_fetch_blocks: int = 0
     sync_fetch_memory: bool = False
     selection_interval: int = 1
@@ -305,6 +312,10 @@ class OasisConfig:
             or self.max_fetch_blocks < 1
         ):
             raise bad("max_fetch_blocks", self.max_fetch_blocks, "use a positive int, or None for no cap")
+        if not isinstance(self.keep_margin, (int, float)) or isinstance(self.keep_margin, bool) or not (
+            0.0 <= self.keep_margin <= 1e6
+        ):
+            raise bad("keep_margin", self.keep_margin, "use a finite float >= 0 (0: no hysteresis)")
         if not _is_int(self.sync_fetch_blocks) or self.sync_fetch_blocks < 0:
             raise bad("sync_fetch_blocks", self.sync_fetch_blocks, "use a non-negative int (0: off)")
         if self.sync_fetch_blocks and not SELECTORS[self.selector].asynchronous:

@@ -49,6 +49,10 @@ BAD = [
     ("selection_interval", 2, "selects inside every step"),  # the default selector is current-query
     ("sync_fetch_memory", 1, "True or False"),
     ("sync_fetch_memory", True, "set sync_fetch_blocks > 0"),  # no correction to rank
+    ("keep_margin", -0.5, "finite float >= 0"),
+    ("keep_margin", float("inf"), "finite float >= 0"),
+    ("keep_margin", float("nan"), "finite float >= 0"),
+    ("keep_margin", True, "finite float >= 0"),
     ("quantized_rerank", -1, "non-negative int"),
     ("quantized_rerank", 2.0, "non-negative int"),
     ("quantized_rerank", True, "non-negative int"),

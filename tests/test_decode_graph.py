@@ -161,6 +161,20 @@ def test_selection_interval_spaces_the_jobs_alike_on_both_paths(selector, device
         assert spaced["graph_replays"] > 0
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_keep_margin_moves_fewer_blocks_alike_on_both_paths(device):
+    """`keep_margin=0.01` (hysteresis of the plan; the tiny random model's block scores lie close together, so a
+    small margin already keeps most of them): the whole-step path (on CUDA the plan kernel inside the captured job)
+    picks, fetches and attends as ordinary decoding does, and moves fewer blocks than plain top blocks."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = tiny_model("llama", attn="oasis", device=device, dtype=dtype)
+    ids, mask = left_padded([230, 200], seed=11)
+    ids, mask = ids.to(device), mask.to(device)
+    plain = _graph_path_matches(model, ids, mask, 20, dict(SMALL, selector="lookahead"))
+    kept = _graph_path_matches(model, ids, mask, 20, dict(SMALL, selector="lookahead", keep_margin=0.01))
+    assert 0 < kept["fetched_blocks"] < plain["fetched_blocks"]
+
+
 @pytest.mark.gpu
 def test_compiled_whole_step_graphs_verify_drafts_on_cuda():
     """compile_model with speculative verification: forwards of several T (a captured graph each, every T warmed

@@ -73,6 +73,7 @@ class BlockTable:
         max_fetch: int | None,
         backend: str = "torch",
         fetched: torch.Tensor | None = None,
+        keep_margin: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Make the top-``S`` blocks by `scores` resident (misses are the delta), and return the fetch plan.
 
@@ -85,6 +86,7 @@ class BlockTable:
         backend : `OasisConfig.kernel_backend`: ``"auto"`` runs the one-launch Triton kernel `plan_blocks` on CUDA
             (tables up to its size limit), ``"torch"`` the PyTorch twin; both give the same plan and table.
         fetched : (1,) int64 or None — device counter the number of blocks to fetch is added to.
+        keep_margin : `OasisConfig.keep_margin`: resident blocks rank at ``1 + keep_margin`` times their score.
 
         Returns
         -------
@@ -92,15 +94,15 @@ class BlockTable:
         The table is already updated; the caller copies the data before reading the pool.
         """
         scores = scores.float()
-        tables = (scores, self.slot_block, self.slot_score, self.block_slot, max_fetch, fetched)
+        tables = (scores, self.slot_block, self.slot_score, self.block_slot, max_fetch, fetched, keep_margin)
         if use_triton(scores, backend) and plan_kernel_supported(scores.shape[-1], self.num_slots):
             return plan_blocks(*tables)
         return plan_blocks_ref(*tables)
 
-    def propose(self, scores: torch.Tensor, max_fetch: int | None):
+    def propose(self, scores: torch.Tensor, max_fetch: int | None, keep_margin: float = 0.0):
         """`plan` without touching the table: (blocks, slots, valid, block_scores), each (B, H_kv, S), the valid
         entries first. `commit` applies it later (the ``stale`` prefetch policy)."""
-        return propose_blocks(scores, self.slot_block, self.block_slot, max_fetch)
+        return propose_blocks(scores, self.slot_block, self.block_slot, max_fetch, keep_margin)
 
     def refresh_scores(self, scores: torch.Tensor) -> None:
         """Refresh the importance of everything resident with `scores` (the eviction order of the next plan);

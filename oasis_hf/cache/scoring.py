@@ -60,7 +60,7 @@ def plan(layer: OasisLayer, scores: torch.Tensor, max_fetch: int | None, counter
     are added to the statistics' `counter` (``"corrected"``: an asynchronous selector's in-step correction; None:
     not counted)."""
     fetched = layer.cache.stats.counter(layer.device, counter) if counter is not None else None
-    return layer.table.plan(scores, max_fetch, layer.config.kernel_backend, fetched)
+    return layer.table.plan(scores, max_fetch, layer.config.kernel_backend, fetched, layer.config.keep_margin)
 
 
 def block_mass(query: torch.Tensor, keys: torch.Tensor, scale: float, q_pos: torch.Tensor, kv_start: torch.Tensor,

@@ -179,7 +179,7 @@ class SelectionJobs:
         Writes only buffers the step never reads, so the step may run concurrently with it."""
         layer = self.layer
         cfg = layer.config
-        blocks, slots, valid, block_scores_ = layer.table.propose(scores, cfg.max_fetch_blocks)
+        blocks, slots, valid, block_scores_ = layer.table.propose(scores, cfg.max_fetch_blocks, cfg.keep_margin)
         width = self._stage_width()
         st = self._staged
         if st is None or st["scores"].shape != scores.shape:

@@ -4,11 +4,12 @@ The PyTorch form of the plan (`plan_blocks_ref`: sort, gathers, a scatter-add, t
 score refresh) is about 57 small kernels per layer; inside a captured CUDA graph each still costs a few
 microseconds. Here one program per (sequence, KV head) does all of it:
 
-1. the wanted blocks are the ``S`` best by (score, then lower index): a bisection over the order-preserving integer
-   form of the scores finds the ``S``-th best score in 32 counting passes over the ``NB`` scores held in registers,
-   ties at that score go to the lowest indices (a prefix sum), and the ``S`` winners are compacted (a second prefix
-   sum) into a scratch row and sorted, best first. Work grows linearly with ``NB`` (a full sort of the ``NB`` keys
-   took 220 us per layer at 128k tokens on the H200, slower than the PyTorch twin);
+1. the wanted blocks are the ``S`` best by (score, then lower index), the blocks resident before the plan ranked
+   at ``1 + keep_margin`` times their score (hysteresis, `OasisConfig.keep_margin`; off at 0): a bisection over the
+   order-preserving integer form of the scores finds the ``S``-th best score in 32 counting passes over the ``NB``
+   scores held in registers, ties at that score go to the lowest indices (a prefix sum), and the ``S`` winners are
+   compacted (a second prefix sum) into a scratch row and sorted, best first. Work grows linearly with ``NB`` (a
+   full sort of the ``NB`` keys took 220 us per layer at 128k tokens on the H200, slower than the PyTorch twin);
 2. a resident block is kept iff its key is at least the ``S``-th key (keys are unique), so hits need no search;
 3. the eviction order (empty slots, then the least important residents, kept slots last) and the output order
    (misses first, in score order) are two sorts of packed keys over ``S`` entries;
@@ -21,6 +22,8 @@ tables. One program holds the ``NB`` scores of its table in registers: ``NB <= M
 from __future__ import annotations
 
 import torch
+
+from oasis_hf.kernels.ref import check_keep_margin
 
 try:
     import triton
@@ -61,7 +64,9 @@ if triton is not None:
         stride_slot_row,
         stride_block_row,
         max_fetch,
+        keep,
         COUNT: tl.constexpr,
+        KEEP: tl.constexpr,
         NBP: tl.constexpr,
         SP: tl.constexpr,
     ):
@@ -78,7 +83,10 @@ if triton is not None:
         # ordered score t: count(okey >= t) >= S > count(okey > t).
         ids = tl.arange(0, NBP)
         live = ids < num_blocks
-        okey = _ordered(tl.load(scores + ids, mask=live, other=neg_inf))  # int32 per block, in registers
+        ranked = tl.load(scores + ids, mask=live, other=neg_inf)
+        if KEEP:  # hysteresis: residents rank at `keep` (1 + OasisConfig.keep_margin) times their score
+            ranked = tl.where(tl.load(block_slot + ids, mask=live, other=-1) >= 0, ranked * keep, ranked)
+        okey = _ordered(ranked)  # int32 per block, in registers
         lo = tl.full((), -2147483648, tl.int64)
         hi = tl.full((), 2147483648, tl.int64)
         for _ in range(32):
@@ -96,8 +104,11 @@ if triton is not None:
         j = tl.arange(0, SP)
         in_s = j < num_slots
         picked = tl.load(scratch + j, mask=in_s, other=0)
-        picked_key = (_ordered(tl.load(scores + picked, mask=in_s, other=neg_inf)).to(tl.int64) << 32) | (
-            0x7FFFFFFF - picked).to(tl.int64)
+        picked_score = tl.load(scores + picked, mask=in_s, other=neg_inf)
+        if KEEP:
+            picked_score = tl.where(tl.load(block_slot + picked, mask=in_s, other=-1) >= 0, picked_score * keep,
+                                    picked_score)
+        picked_key = (_ordered(picked_score).to(tl.int64) << 32) | (0x7FFFFFFF - picked).to(tl.int64)
         top_key = tl.sort(tl.where(in_s, picked_key, -0x7FFFFFFFFFFFFFFF), descending=True)
         wanted = 0x7FFFFFFF - (top_key & 0xFFFFFFFF)
         top = tl.load(scores + wanted, mask=in_s & (wanted < num_blocks), other=neg_inf)
@@ -110,6 +121,8 @@ if triton is not None:
         resident = tl.load(slot_block + j, mask=in_s, other=-1)
         res_ok = in_s & (resident >= 0) & (resident < num_blocks)
         current = tl.load(scores + tl.maximum(resident, 0), mask=res_ok, other=neg_inf)
+        if KEEP:  # every resident ranks with its bonus (the order among them is that of `current * keep`)
+            current = current * keep
         res_key = (_ordered(current).to(tl.int64) << 32) | (0x7FFFFFFF - resident)
         kept = res_ok & (res_key >= threshold) & (current > neg_inf)
         old_score = tl.load(slot_score + j, mask=in_s, other=neg_inf)
@@ -157,6 +170,7 @@ def plan_blocks(
     block_slot: torch.Tensor,
     max_fetch: int | None,
     fetched: torch.Tensor | None = None,
+    keep_margin: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Make the top-``S`` blocks by `scores` resident and return the fetch plan, in one launch.
 
@@ -170,6 +184,9 @@ def plan_blocks(
         Cap on the misses fetched that are not ``+inf`` (best first); the least important residents are evicted.
     fetched : (1,) int64 or None
         A counter the number of blocks to fetch is added to (device-side statistics, no synchronisation).
+    keep_margin : float
+        Hysteresis (`OasisConfig.keep_margin`): blocks resident before the plan rank at ``1 + keep_margin`` times
+        their score (`keep_residents`); the slots keep the scores themselves.
 
     Returns
     -------
@@ -193,6 +210,7 @@ def plan_blocks(
             raise ValueError(f"plan_blocks: {name} must be contiguous")
     if scores.dtype != torch.float32:
         raise ValueError(f"plan_blocks: scores must be float32, got {scores.dtype}")
+    check_keep_margin(keep_margin)
     scores = scores.contiguous()
     sp = max(2, triton.next_power_of_2(num_slots))
     nbp = max(2, triton.next_power_of_2(num_blocks))
@@ -204,7 +222,8 @@ def plan_blocks(
     _plan_blocks_kernel[(batch * heads,)](
         scores, slot_block, slot_score, block_slot, out_blocks, out_slots, out_valid.view(torch.int8),
         fetched if fetched is not None else out_blocks, scratch, num_blocks, num_slots, slot_block.stride(-2),
-        block_slot.stride(-2), cap, COUNT=fetched is not None, NBP=nbp, SP=sp,
+        block_slot.stride(-2), cap, 1.0 + keep_margin, COUNT=fetched is not None, KEEP=bool(keep_margin), NBP=nbp,
+        SP=sp,
         num_warps=4 if nbp <= 1024 else (8 if nbp <= 4096 else 16),
     )
     return out_blocks, out_slots, out_valid

@@ -253,7 +253,24 @@ def _flat_view(tensor: torch.Tensor) -> torch.Tensor:
 # Triton kernel `plan_blocks` can reproduce the result exactly.
 
 
-def propose_blocks(scores: torch.Tensor, slot_block: torch.Tensor, block_slot: torch.Tensor, max_fetch: int | None):
+def check_keep_margin(keep_margin: float) -> None:
+    """Refuse a residents' bonus (`plan_blocks` and its twin) that is negative or not finite."""
+    if not 0.0 <= keep_margin < math.inf:
+        raise ValueError(f"plan_blocks: keep_margin={keep_margin!r}; use a finite float >= 0 (0: no hysteresis)")
+
+
+def keep_residents(scores: torch.Tensor, block_slot: torch.Tensor, keep_margin: float) -> torch.Tensor:
+    """`scores` (B, H_kv, NB) as the plan ranks them: a resident block's (``block_slot >= 0``) times ``1 +
+    keep_margin`` in float32 (`OasisConfig.keep_margin`), the others as they are; `scores` itself at 0."""
+    check_keep_margin(keep_margin)
+    if not keep_margin:
+        return scores
+    resident = block_slot[..., : scores.shape[-1]] >= 0
+    return torch.where(resident, scores * (1.0 + keep_margin), scores)
+
+
+def propose_blocks(scores: torch.Tensor, slot_block: torch.Tensor, block_slot: torch.Tensor, max_fetch: int | None,
+                   keep_margin: float = 0.0):
     """The delta that makes the top-``S`` blocks by `scores` resident, without touching the tables.
 
     Parameters
@@ -261,6 +278,7 @@ def propose_blocks(scores: torch.Tensor, slot_block: torch.Tensor, block_slot: t
     scores : (B, H_kv, NB) float — ``+inf`` must be resident, ``-inf`` must not be chosen.
     slot_block : (B, H_kv, S + 1) long. block_slot : (B, H_kv, NB_cap + 1) long, ``NB_cap >= NB``.
     max_fetch : cap on the misses fetched that are not ``+inf`` (best first), or None.
+    keep_margin : the residents' bonus in the ranking (`keep_residents`); the returned scores are the ranked ones.
 
     Returns
     -------
@@ -269,6 +287,7 @@ def propose_blocks(scores: torch.Tensor, slot_block: torch.Tensor, block_slot: t
     emptiest and least important first.
     """
     num_slots = slot_block.shape[-1] - 1
+    scores = keep_residents(scores, block_slot, keep_margin)
     top, wanted = scores.sort(dim=-1, descending=True, stable=True)
     top, wanted = top[..., :num_slots], wanted[..., :num_slots]
     wanted_ok = top > -_INF
@@ -322,10 +341,13 @@ def plan_blocks_ref(
     block_slot: torch.Tensor,
     max_fetch: int | None,
     fetched: torch.Tensor | None = None,
+    keep_margin: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Twin of `plan_blocks` (same arguments and result, see there): `propose_blocks`, then `assign_blocks` and
-    `refresh_slot_scores` on the tables in place; returns (blocks, slots, valid), each (B, H_kv, S)."""
-    blocks, slots, valid, block_scores = propose_blocks(scores, slot_block, block_slot, max_fetch)
+    `refresh_slot_scores` on the tables in place; returns (blocks, slots, valid), each (B, H_kv, S). The slots keep
+    the scores themselves, not the ranked ones (a fetched block is not resident when ranked, so its score is its
+    own)."""
+    blocks, slots, valid, block_scores = propose_blocks(scores, slot_block, block_slot, max_fetch, keep_margin)
     assign_blocks(slot_block, slot_score, block_slot, blocks, slots, valid, block_scores)
     refresh_slot_scores(slot_block, slot_score, scores)
     if fetched is not None:

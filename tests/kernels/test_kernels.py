@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from oasis_hf import OasisConfig
 from oasis_hf.kernels import (
     INTERPRET,
     TRITON_AVAILABLE,
@@ -592,6 +593,74 @@ def test_plan_blocks_kernel_matches_twin(case, max_fetch):
         if max_fetch is not None:
             forced = out_r[2] & (scores.gather(-1, out_r[0]) == float("inf"))
             assert int((out_r[2] & ~forced).sum(-1).max()) <= max_fetch
+
+
+@needs_triton
+@pytest.mark.parametrize("keep_margin", [0.3, 0.5])
+@pytest.mark.parametrize(("case", "max_fetch"), [((2, 3, 5, 9), 2), ((2, 1, 7, 40), None), ((1, 2, 4, 4), 0)])
+def test_plan_blocks_keep_margin_matches_twin(case, max_fetch, keep_margin):
+    """With a residents' bonus (hysteresis) the kernel still returns the twin's plan and table through a chain of
+    plans from an empty table: the same rounding of ``score * (1 + margin)`` (0.3: not exact in float32), ties
+    among boosted residents and non-residents, forced and unchoosable blocks, caps."""
+    batch, heads, num_slots, num_blocks = case
+    dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+    gen = torch.Generator().manual_seed(sum(case) + 11)
+    tables = [torch.full((batch, heads, num_slots + 1), -1, dtype=torch.long, device=dev),
+              torch.full((batch, heads, num_slots + 1), -float("inf"), device=dev),
+              torch.full((batch, heads, num_blocks + 1), -1, dtype=torch.long, device=dev)]
+    moved = {0.0: 0, keep_margin: 0}
+    for step in range(5):
+        live = min(num_blocks, max(2, num_blocks - 3 + step))
+        scores = _plan_scores(gen, batch, heads, num_blocks, live, step).to(dev)
+        copies = [t.clone() for t in tables]
+        plain = [t.clone() for t in tables]
+        out_k = plan_blocks(scores, *copies, max_fetch, keep_margin=keep_margin)
+        out_r = plan_blocks_ref(scores, *tables, max_fetch, keep_margin=keep_margin)
+        for name, k, r in zip(("blocks", "slots", "valid"), out_k, out_r, strict=True):
+            assert torch.equal(k, r), f"step {step}: {name} differs\n{k}\n{r}"
+        for name, k, r in zip(("slot_block", "slot_score", "block_slot"), copies, tables, strict=True):
+            assert torch.equal(k[..., :-1], r[..., :-1]), f"step {step}: {name} differs"
+        moved[keep_margin] += int(out_r[2].sum())
+        moved[0.0] += int(plan_blocks_ref(scores, *plain, max_fetch)[2].sum())
+    assert moved[keep_margin] <= moved[0.0]  # from the same tables each step, a bonus never fetches more
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_keep_margin_keeps_near_ties_resident(backend):
+    """A block that is not resident replaces a resident one only when it scores more than ``1 + keep_margin``
+    times it; the slots keep the blocks' own scores, not the boosted ones."""
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() and not INTERPRET else "cpu"
+    plan = plan_blocks if backend == "triton" else plan_blocks_ref
+    inf = float("inf")
+
+    def run(margin):
+        tables = [torch.full((1, 1, 4), -1, dtype=torch.long, device=dev),
+                  torch.full((1, 1, 4), -inf, device=dev),
+                  torch.full((1, 1, 7), -1, dtype=torch.long, device=dev)]
+        fetched = []
+        for row in ([inf, 0.5, 0.4, 0.1, 0.1, 0.1],  # blocks 0, 1, 2 resident
+                    [inf, 0.5, 0.4, 0.45, 0.1, 0.1],  # 3 beats 2, but not by 1.25x
+                    [inf, 0.5, 0.4, 0.55, 0.1, 0.1]):  # 3 beats 2 by more than 1.25x
+            _, _, valid = plan(torch.tensor([[row]], device=dev), *tables, None, keep_margin=margin)
+            fetched.append(int(valid.sum()))
+        return fetched, sorted(tables[0][0, 0, :3].tolist()), tables[1][0, 0, :3].tolist()
+
+    assert run(0.0)[:2] == ([3, 1, 0], [0, 1, 3])
+    fetched, resident, slot_scores = run(0.25)
+    assert (fetched, resident) == ([3, 0, 1], [0, 1, 3])
+    assert sorted(slot_scores) == pytest.approx([0.5, 0.55, inf])  # the scores themselves, not 1.25x
+
+
+@pytest.mark.parametrize("margin", [-0.1, float("inf"), float("nan")])
+def test_keep_margin_rejects_what_is_not_a_bonus(margin):
+    tables = [torch.full((1, 1, 3), -1, dtype=torch.long), torch.zeros(1, 1, 3), torch.full((1, 1, 5), -1)]
+    with pytest.raises(ValueError, match="keep_margin"):
+        plan_blocks_ref(torch.zeros(1, 1, 4), *tables, None, keep_margin=margin)
+    if TRITON_AVAILABLE:
+        with pytest.raises(ValueError, match="keep_margin"):
+            plan_blocks(torch.zeros(1, 1, 4), *tables, None, keep_margin=margin)
+    with pytest.raises(ValueError, match="keep_margin"):
+        OasisConfig(keep_margin=margin)
 
 
 @needs_triton
