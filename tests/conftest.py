@@ -1,5 +1,13 @@
-import pytest
-import torch
+import os
+
+# Intel MKL picks its GEMM code path by the operands' memory alignment unless its conditional numerical
+# reproducibility is on, so two runs of one float32 CPU forward can round differently (host K/V rows 7e-5 apart in
+# about one process in seven). The tests that compare two decoding paths need run-to-run reproducible GEMMs. Set
+# before torch loads MKL; an MKL_CBWR already in the environment wins.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
