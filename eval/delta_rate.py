@@ -12,6 +12,7 @@ and forward, per generated token, and the share of the budget's selected slots t
 ``--selection-intervals`` (`OasisConfig.selection_interval`: a job after every Nth forward) also per job, the delta
 one job moves (what `eval.bench_floor --variant ... selection_interval=N max_fetch_blocks=...` replays). A count,
 not a time: it holds on any device (a CPU run in float32 picks what a bf16 GPU run picks up to near-ties).
+``--config FIELD=VALUE ...`` measures a variant (e.g. ``keep_margin=0.5``); ``--draft none`` runs plain decoding only.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 import oasis_hf
-from eval._common import code_identity, finish, markdown_table
+from eval._common import code_identity, config_fields, finish, markdown_table
 from eval.tasks import ruler
 from oasis_hf import models
 
@@ -68,28 +69,33 @@ def main() -> None:
     code_identity()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct",
+                        help="draft model of the speculative rows; 'none': plain decoding only")
     parser.add_argument("--context", type=int, default=16384)
     parser.add_argument("--tasks", nargs="+", default=["recall_list", "qa"], choices=sorted(ruler.TASKS))
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--selection-intervals", type=int, nargs="+", default=[1],
                         help="OasisConfig.selection_interval values to measure (a job after every Nth forward)")
+    parser.add_argument("--config", nargs="+", default=[], metavar="FIELD=VALUE",
+                        help="OasisConfig fields on top of the defaults, e.g. keep_margin=0.5 (what a variant moves)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    fields = config_fields(parser, args.config, [args.budget], rows=[("lookahead", {})],
+                           reserved=("budget_tokens", "selector", "measure_recall", "selection_interval"))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     model, tokenizer = models.load(args.model, device=args.device, dtype=dtype)
-    draft = models.load(args.draft, device=args.device, dtype=dtype)[0]
+    draft = None if args.draft == "none" else models.load(args.draft, device=args.device, dtype=dtype)[0]
     oasis_hf.enable(model)
-    config = oasis_hf.OasisConfig(budget_tokens=args.budget, selector="lookahead")
+    config = oasis_hf.OasisConfig(budget_tokens=args.budget, selector="lookahead", **fields)
     rows = []
     for task in args.tasks:
         sample = ruler.generate(task, args.context, 1, tokenizer)[0]
         input_ids = tokenizer(sample["input"], return_tensors="pt")["input_ids"].to(args.device)
         for interval in args.selection_intervals:
-            for drafted in (False, True):
+            for drafted in (False, True) if draft is not None else (False,):
                 method = "lookahead, draft model (speculative_generate)" if drafted else "lookahead, plain decoding"
                 logger.info("%s: %s, selection_interval=%d ...", task, method, interval)
                 row = {"task": task, "method": method, "selection_interval": interval, "context": input_ids.shape[1],
@@ -99,8 +105,9 @@ def main() -> None:
                 rows.append(row)
                 logger.info("%s", row)
     table = (f"Blocks moved by the lookahead selector, {args.model} with draft {args.draft} ({dtype}, "
-             f"{args.device}), OasisConfig(budget_tokens={args.budget}, selector='lookahead'), library defaults "
-             f"otherwise\n\n" + markdown_table(rows, COLUMNS))
+             f"{args.device}), OasisConfig(budget_tokens={args.budget}, selector='lookahead'"
+             + "".join(f", {name}={value!r}" for name, value in fields.items())
+             + "), library defaults otherwise\n\n" + markdown_table(rows, COLUMNS))
     finish(args, table, {"oasis_config": config.to_dict(), "rows": rows})
 
 

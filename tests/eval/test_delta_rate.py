@@ -22,3 +22,17 @@ def test_delta_rate_counts_forwards_jobs_and_the_blocks_each_moves(interval):
     assert row["blocks/(seq, head, forward)"] > 0  # random attention moves blocks
     moved = row["blocks/(seq, head, forward)"] * row["forwards"]
     assert row["blocks/(seq, head, job)"] == pytest.approx(moved / row["jobs"])
+
+
+def test_delta_rate_refuses_a_bad_config_before_loading_a_model(monkeypatch, capsys):
+    """`--config` is checked against OasisConfig before any model loads; the fields the script sets are refused."""
+    import sys
+
+    from eval import delta_rate
+
+    monkeypatch.setattr(delta_rate.models, "load", lambda *a, **k: pytest.fail("loaded a model"))
+    for pair, why in (("keep_margin=-1", "keep_margin"), ("selection_interval=2", "this script sets")):
+        monkeypatch.setattr(sys, "argv", ["delta_rate", "--config", pair, "--device", "cpu"])
+        with pytest.raises(SystemExit):
+            delta_rate.main()
+        assert why in capsys.readouterr().err
