@@ -157,9 +157,15 @@ def delta_rate(path: Path | None, task: str | None = None) -> tuple[float | None
         raise SystemExit(f"--delta-rate {path}: no rows of task {task!r}")
     plain = [r["blocks/(seq, head, forward)"] for r in rows if "plain decoding" in r["method"]]
     drafted = [r for r in rows if "draft model" in r["method"]]
-    note = "".join(f"; with the draft model ({r['task']}): {r['blocks/(seq, head, forward)']:.2f} per forward of "
-                   f"{r['forwards'] and r['new tokens'] / r['forwards']:.1f} tokens, "
-                   f"{r['blocks/(seq, head, token)']:.2f} per token" for r in drafted)
+    measured = payload.get("config", {})
+    variant = " ".join(measured.get("config") or [])  # `eval.delta_rate --config`, e.g. keep_margin=0.5
+    note = (f"{measured.get('model', 'the measured model')}'s lookahead"
+            + (f" ({variant})" if variant else "")
+            + (f" moved {max(plain):.2f} blocks per (seq, head, layer-step) at {measured['context']} tokens in plain "
+               "decoding" if plain and "context" in measured else "")
+            + "".join(f"; with the draft model ({r['task']}): {r['blocks/(seq, head, forward)']:.2f} per forward "
+                      f"of {r['forwards'] and r['new tokens'] / r['forwards']:.1f} tokens, "
+                      f"{r['blocks/(seq, head, token)']:.2f} per token" for r in drafted))
     return (max(plain) if plain else None), note, payload.get("oasis_config", {}).get("block_size")
 
 
@@ -320,8 +326,7 @@ def run_point(model, args, batch: int, context: int, bandwidth: float, h2d: floa
         if method == "oasis-lookahead-real":
             per = "layer-step" if cfg.selection_interval == 1 else f"job, one per {cfg.selection_interval} steps"
             row["method"] += f", real-model delta rate ({cfg.max_fetch_blocks} blocks per (seq, head, {per}))"
-            row["note"] = (f"max_fetch_blocks={cfg.max_fetch_blocks}: Qwen2.5-Coder-1.5B's lookahead moved {rate:.2f} "
-                           f"blocks per (seq, head, layer-step) at 16k in plain decoding{rate_note}")
+            row["note"] = f"max_fetch_blocks={cfg.max_fetch_blocks}: {rate_note}"
             if args.rate_block_size and args.rate_block_size != cfg.block_size:
                 row["note"] += (f"; measured with blocks of {args.rate_block_size}, replayed here as the same bytes "
                                 f"in blocks of {cfg.block_size}")

@@ -1009,6 +1009,12 @@ def test_floor_bench_replays_one_task_delta_rate_from_the_committed_result():
     path = RESULTS / "delta_rate_qwen1.5b_16k.json"
     recall_list, note, block_size = delta_rate(path, "recall_list")
     assert math.ceil(recall_list) == 5 and "recall_list" in note and "qa" not in note
+    assert note.startswith(f"qwen2.5-coder-1.5b-instruct's lookahead moved {recall_list:.2f} blocks per (seq, head, "
+                           "layer-step) at 16384 tokens in plain decoding; with the draft model (recall_list)")
+    variant = delta_rate(RESULTS / "delta_rate_qwen0.5b_8k_keep_margin_0.5.json")  # plain decoding only
+    assert variant[0] == pytest.approx(2.12, abs=0.005)
+    assert variant[1] == ("qwen2.5-coder-0.5b-instruct's lookahead (keep_margin=0.5) moved 2.12 blocks per (seq, "
+                          "head, layer-step) at 8192 tokens in plain decoding")
     assert block_size == 32  # measured with the library's blocks (its oasis_config)
     assert delta_rate(path)[0] > recall_list  # the qa rows move more
     with pytest.raises(SystemExit, match="no rows of task"):
