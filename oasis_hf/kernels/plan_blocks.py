@@ -186,7 +186,8 @@ def plan_blocks(
         A counter the number of blocks to fetch is added to (device-side statistics, no synchronisation).
     keep_margin : float
         Hysteresis (`OasisConfig.keep_margin`): blocks resident before the plan rank at ``1 + keep_margin`` times
-        their score (`keep_residents`); the slots keep the scores themselves.
+        their score (`keep_residents`: a bonus for the non-negative scores the selectors make); the slots keep the
+        scores themselves.
 
     Returns
     -------
