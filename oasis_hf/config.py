@@ -313,7 +313,7 @@ class OasisConfig:
         ):
             raise bad("max_fetch_blocks", self.max_fetch_blocks, "use a positive int, or None for no cap")
         if not isinstance(self.keep_margin, (int, float)) or isinstance(self.keep_margin, bool) or not (
-            0.0 <= self.keep_margin <= 1e6
+            0.0 <= self.keep_margin < float("inf")
         ):
             raise bad("keep_margin", self.keep_margin, "use a finite float >= 0 (0: no hysteresis)")
         if not _is_int(self.sync_fetch_blocks) or self.sync_fetch_blocks < 0:
