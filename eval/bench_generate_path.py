@@ -57,6 +57,7 @@ from eval._common import (
 )
 from eval._harness import SHAPES, build_model, fill_random_kv, profile_families, release_memory
 from eval.dense_baselines import GIB, dense_graphed_row
+from oasis_hf import compat
 from oasis_hf.cache.pinned import PinnedBuffer, PinnedPool
 
 logger = logging.getLogger("eval.bench_generate_path")
@@ -141,7 +142,8 @@ def decode_rows(model, selector: str, pool: PinnedPool, batch: int, context: int
             clock = StepClock()
 
             def generate(ids, steps, clock=clock, cache=cache):
-                return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                      **{compat.cache_kwarg(model): cache},
                                       max_new_tokens=steps, do_sample=False,
                                       stopping_criteria=StoppingCriteriaList([clock]))
 

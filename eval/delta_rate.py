@@ -28,7 +28,7 @@ import torch
 import oasis_hf
 from eval._common import code_identity, config_fields, finish, markdown_table
 from eval.tasks import ruler
-from oasis_hf import models
+from oasis_hf import compat, models
 
 logger = logging.getLogger("eval.delta_rate")
 
@@ -47,7 +47,7 @@ def measure(model, draft, input_ids, config: oasis_hf.OasisConfig, new_tokens: i
                                                 num_draft_tokens=4)
             acceptance = out.stats.acceptance
         else:
-            model.generate(input_ids, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False,
+            model.generate(input_ids, **{compat.cache_kwarg(model): cache}, max_new_tokens=new_tokens, do_sample=False,
                            min_new_tokens=new_tokens)
             acceptance = None
         seconds = time.perf_counter() - t0

@@ -27,6 +27,7 @@ import oasis_hf
 from eval._common import code_identity, finish, markdown_table
 from eval._harness import TINY, build_model
 from eval.plot import pyplot_or_none, result_path, save_figure
+from oasis_hf import compat
 
 logger = logging.getLogger("eval.soak")
 
@@ -59,10 +60,10 @@ def soak(model, selector: str, with_block: bool, calls: int, marks: set[int], pr
         t0 = time.perf_counter()
         if with_block:
             with oasis_hf.OasisCache(model.config, config) as cache:
-                model.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False)
+                model.generate(ids, **{compat.cache_kwarg(model): cache}, max_new_tokens=new_tokens, do_sample=False)
         else:
             cache = oasis_hf.OasisCache(model.config, config)
-            model.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False)
+            model.generate(ids, **{compat.cache_kwarg(model): cache}, max_new_tokens=new_tokens, do_sample=False)
             del cache
         if call in marks:
             rows.append(sample(selector, with_block, call, time.perf_counter() - t0))
