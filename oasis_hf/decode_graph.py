@@ -20,8 +20,9 @@ window layers), one device, a host store the GPU reads directly (pinned, local),
 The first call of a ``T`` (and the first after the host store grew, which reallocates the tables) runs eagerly on
 the capture stream, compiling every kernel variant; the next one captures and replays; later ones replay.
 
-With `OasisConfig.compile_model` the forward it captures is the model's, compiled by ``torch.compile`` (Inductor
-fuses the norms, RoPE and activations; the cache's update and the attention are graph breaks, run as ours). Two
+With `OasisConfig.compile_model` the forward it captures is the model's, compiled by ``torch.compile`` as one graph
+(Inductor fuses the norms, RoPE, activations and residual adds across layers; each layer's cache update and
+attention are one opaque operator, `oasis_hf.cache.step_op`). Two
 eager calls of each ``T`` come before its capture: the first compiles, the second recompiles what depends on the
 step's position (transformers' mask arguments) as dynamic, so that the capture itself compiles nothing. Once a shape
 has settled so in the process, a later runner (the next ``generate`` call's cache) captures after one eager call
@@ -40,6 +41,7 @@ import torch._dynamo
 import torch._dynamo.utils
 
 from oasis_hf import compat
+from oasis_hf.cache import step_op
 from oasis_hf.cache.capture import capture_graph
 from oasis_hf.cache.layer import OasisLayer
 from oasis_hf.cache.oasis_cache import OasisCache
@@ -256,21 +258,26 @@ class DecodeGraph:
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, capture: bool = False) -> torch.Tensor:
         """The model's forward with every OasisLayer on its whole-step path; forked streams joined at the end. With
         `capture`, a compiled model must not compile (that would run its autotuning inside the capture)."""
-        model, limits = self.model, contextlib.nullcontext()
+        model, scope, extra = self.model, contextlib.ExitStack(), {}
         if self.cache.config.compile_model:
             model = self._compiled_model()
             # The capture's static inputs are contiguous: eager calls must show torch.compile the same strides (a
             # position slice of a longer mask has others), or the capture would recompile.
             input_ids, position_ids = input_ids.contiguous(), position_ids.contiguous()
-            # One variant per layer of the frames before and after each break (a layer's index is a constant).
+            # Room for a model that breaks its graph elsewhere: a frame per layer and break (a layer's index is a
+            # constant), each compiled, then recompiled with the step's position dynamic.
             limit = max(8, 4 * len(self.cache.layers) + 8)
-            limits = torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit),
-                                                error_on_recompile=capture)
+            scope.enter_context(torch._dynamo.config.patch(
+                recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit), error_on_recompile=capture))
+            # The forward traces as one graph: each layer's update and attention are one opaque operator.
+            scope.enter_context(step_op.running(self.cache))
+            scope.enter_context(torch.no_grad())  # the operator has no backward: a decode step needs none
+            extra[step_op.STEP_KWARG] = True
         self.cache.step_runner = self
         try:
-            with limits:
+            with scope:
                 out = model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
-                            **{self._kwarg: self.cache}).logits
+                            **{self._kwarg: self.cache}, **extra).logits
         finally:
             self.cache.step_runner = None
         for (device, _), stream in self._forked.items():

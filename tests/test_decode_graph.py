@@ -251,8 +251,8 @@ def test_decode_graph_replays_on_cuda_and_stays_exact(selector):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_compiled_model_in_the_whole_step_path_decodes_the_same_tokens(device):
-    """OasisConfig.compile_model: the model's modules through torch.compile (graph breaks at the cache's update and
-    the attention; on CUDA two eager calls compile, the third captures without compiling, later ones replay) pick,
+    """OasisConfig.compile_model: the model's modules through torch.compile (each layer's update and attention one
+    opaque operator; on CUDA two eager calls compile, the third captures without compiling, later ones replay) pick,
     fetch and decode as ordinary decoding does (float32, so that Inductor's fused rounding cannot flip a token)."""
     import torch._dynamo
 
@@ -265,6 +265,54 @@ def test_compiled_model_in_the_whole_step_path_decodes_the_same_tokens(device):
     if device == "cuda":
         assert stats["graph_replays"] > 0
     torch._dynamo.reset()
+
+
+def test_compiled_whole_step_forward_traces_as_one_graph():
+    """compile_model: inside a DecodeGraph forward each layer's cache update and attention are one opaque operator
+    (`oasis_hf.cache.step_op`), so torch.compile traces the decode forward without a graph break: two graphs in all
+    (the first call's, and its recompilation with the step's position dynamic) for any number of layers."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        model = tiny_model("llama", layers=3, attn="oasis")
+        ids, mask = left_padded([180, 150], seed=6)
+        with oasis_cache(model, selector="lookahead", compile_model=True, **SMALL) as cache:
+            _decode(model, cache, ids, mask, 3, graph=True)
+            assert cache.compiled_step is False  # only while a compiled forward runs
+        assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+        assert counters["stats"]["unique_graphs"] == 2
+    finally:
+        torch._dynamo.reset()
+
+
+def test_compiled_whole_step_refuses_a_model_that_drops_attention_keywords():
+    """A model whose forward does not pass its keywords down to the attention function would attend over the step's
+    new tokens alone under compile_model (its cache update is deferred to the attention's operator): refused."""
+    import torch._dynamo
+
+    from oasis_hf.cache.step_op import STEP_KWARG
+
+    torch._dynamo.reset()
+    try:
+        model = tiny_model("llama", layers=2, attn="oasis")
+        attention = model.model.layers[0].self_attn
+        forward = attention.forward
+
+        def dropping(*args, **kwargs):
+            kwargs.pop(STEP_KWARG, None)
+            return forward(*args, **kwargs)
+
+        attention.forward = dropping
+        ids, mask = left_padded([120, 100], seed=2)
+        with oasis_cache(model, compile_model=True, **SMALL) as cache:
+            with pytest.raises(UnsupportedError, match=STEP_KWARG):
+                _decode(model, cache, ids, mask, 1, graph=True)
+            assert cache.compiled_step is False
+    finally:
+        torch._dynamo.reset()
 
 
 @pytest.mark.gpu

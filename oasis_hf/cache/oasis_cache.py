@@ -105,6 +105,9 @@ class OasisCache(Cache):
         self.stats.drain = weakref.WeakMethod(self.wait)
         self._runtimes: dict[torch.device, DeviceRuntime] = {}  # per device: prefetch worker, side streams
         self.step_runner = None  # the `oasis_hf.DecodeGraph` whose forward is running (layers take its path)
+        #: True while that forward is a compiled model's: traced updates defer to the attention's operator
+        #: (`oasis_hf.cache.step_op`).
+        self.compiled_step = False
         self._starts: tuple | None = None  # (mask, length, device, result) of the last prefill: see `padding_starts`
         #: The `oasis_hf.DecodeGraph` that ``model.generate``'s decode forwards replay over this cache (created by the
         #: fast path `oasis_hf.enable` installs, on the first decode forward; None until then or when not used).
@@ -255,10 +258,19 @@ class OasisCache(Cache):
         layer.writeback_event = event
 
     # ------------------------------------------------------------------------------------------------ Cache API
-    @torch.compiler.disable  # host state and our kernels: a compiled model (compile_model) breaks its graph here
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """transformers' entry point, per layer and forward; refuses misuse before any state changes: a closed
-        cache, a second thread, a model other than the one the cache was built for, a cache left mid-forward."""
+        cache, a second thread, a model other than the one the cache was built for, a cache left mid-forward.
+
+        Traced inside a compiled whole-step forward (while `compiled_step`), it returns the K/V as they are: the
+        attention's operator makes this call when the compiled forward runs (`oasis_hf.cache.step_op`).
+        """
+        if self.compiled_step and torch.compiler.is_compiling():
+            return key_states, value_states
+        return self._update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @torch.compiler.disable  # host state and our kernels: a compiled model breaks its graph here
+    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         self._check_use(key_states, layer_idx)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 

@@ -15,6 +15,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from oasis_hf import compat
+from oasis_hf.cache import step_op
 from oasis_hf.cache.layer import layer_of, windowed
 from oasis_hf.errors import UnsupportedError
 from oasis_hf.integrations import capacity, fast_path, queued_generate
@@ -23,7 +24,6 @@ from oasis_hf.kernels.dense import dense_attention
 ATTENTION_NAME = "oasis"
 
 
-@torch.compiler.disable  # a compiled model (OasisConfig.compile_model) breaks its graph here: the layer's step is ours
 def oasis_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -38,11 +38,22 @@ def oasis_attention(
 
     The parameter order is transformers' own (``sdpa_attention_forward``: mask, then ``dropout``, then
     ``scaling``): wrappers that pass ``dropout`` by position, such as the one kvpress installs around every
-    registered attention function when it is imported, must land it in ``dropout``.
+    registered attention function when it is imported, must land it in ``dropout``. Inside a compiled whole-step
+    forward (the `step_op.STEP_KWARG` keyword) it is one opaque operator, so the compiler traces through;
+    elsewhere a compiled model breaks its graph here.
     """
     if kwargs.get("softcap") is not None:
         raise UnsupportedError("oasis attention does not implement logit soft-capping (Gemma2-style 'softcap')")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if kwargs.get(step_op.STEP_KWARG):
+        if dropout:
+            raise UnsupportedError("OasisCache is for inference: attention dropout must be 0 (call model.eval())")
+        return step_op.attention(query, key, value, module.layer_idx, scale), None
+    return _attention(module, query, key, value, attention_mask, dropout, scale, **kwargs)
+
+
+@torch.compiler.disable  # the layer's step is ours: host state and our kernels
+def _attention(module, query, key, value, attention_mask, dropout: float, scale: float, **kwargs):
     layer = layer_of(key)
     if attention_mask is not None and attention_mask.dim() == 4:  # keys beyond the queries: see `oasis_mask`
         if layer is not None:
@@ -57,6 +68,7 @@ def oasis_attention(
             "layer types; build it from this model's config: OasisCache(model.config, ...)"
         )
     if layer is None:
+        step_op.check_not_running(getattr(module, "layer_idx", "?"))
         out = dense_attention(
             query, key, value, attention_mask, scale,
             sliding_window=kwargs.get("sliding_window"),
