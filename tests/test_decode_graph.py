@@ -283,7 +283,7 @@ def test_compiled_whole_step_forward_traces_as_one_graph():
             _decode(model, cache, ids, mask, 3, graph=True)
             assert cache.compiled_step is False  # only while a compiled forward runs
         assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-        assert counters["stats"]["unique_graphs"] == 2
+        assert counters["stats"]["unique_graphs"] <= 2  # in pieces: a frame per layer and break, more
     finally:
         torch._dynamo.reset()
 
