@@ -217,9 +217,10 @@ class OasisConfig:
         cache update and attention are one opaque operator (`oasis_hf.cache.step_op`), so nothing of the model is
         copied or rewritten. The first two forwards of each ``T`` compile (10-46 s for an 8B model on an H100 or
         H200, less with Inductor's on-disk cache); later steps replay the captured graph. A later cache of the same
-        shape in the process (the next ``generate`` call) runs one eager forward before its capture instead of two. Changes the rounding of bf16 models slightly (fused kernels
-        keep float32 intermediates where eager modules round each op to bf16). Default False. On the CPU, where the
-        whole-step path runs eagerly every call, it compiles there too (a test of the mechanism, no speed-up).
+        shape in the process (the next ``generate`` call) runs one eager forward before its capture instead of two.
+        Changes the rounding of bf16 models slightly (fused kernels keep float32 intermediates where eager modules
+        round each op to bf16). Default False. On the CPU, where the whole-step path runs eagerly every call, it
+        compiles there too (a test of the mechanism, no speed-up).
     compile_mode : str | None
         ``torch.compile``'s ``mode`` for `compile_model`: ``None`` (Inductor's default: the weight GEMMs stay
         cuBLAS calls) or ``"max-autotune-no-cudagraphs"`` (Inductor benchmarks its own Triton GEMMs against cuBLAS
