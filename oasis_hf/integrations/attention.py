@@ -46,10 +46,14 @@ def oasis_attention(
         raise UnsupportedError("oasis attention does not implement logit soft-capping (Gemma2-style 'softcap')")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if kwargs.get(step_op.STEP_KWARG):
-        if dropout:
-            raise UnsupportedError("OasisCache is for inference: attention dropout must be 0 (call model.eval())")
+        _check_no_dropout(dropout)
         return step_op.attention(query, key, value, module.layer_idx, scale), None
     return _attention(module, query, key, value, attention_mask, dropout, scale, **kwargs)
+
+
+def _check_no_dropout(dropout: float) -> None:
+    if dropout:
+        raise UnsupportedError("OasisCache is for inference: attention dropout must be 0 (call model.eval())")
 
 
 @torch.compiler.disable  # the layer's step is ours: host state and our kernels
@@ -76,8 +80,7 @@ def _attention(module, query, key, value, attention_mask, dropout: float, scale:
             dropout=dropout,
         )  # fmt: skip
         return out, None
-    if dropout:
-        raise UnsupportedError("OasisCache is for inference: attention dropout must be 0 (call model.eval())")
+    _check_no_dropout(dropout)
     if kwargs.get("sliding_window") is not None:
         raise UnsupportedError(
             f"model layer {getattr(module, 'layer_idx', '?')} attends over a sliding window, but this OasisCache "
